@@ -1,0 +1,29 @@
+"""`make bench`: every benchmark prints ratios against a baseline measured in the same run.
+
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
+    "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
+    "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
+}
+
+
+def main(argv: list[str]) -> int:
+    chosen = argv or list(BENCHES)
+    for name in chosen:
+        if name not in BENCHES:
+            print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
+            return 2
+        print(f"\n=== benchmark: {name} ===", flush=True)
+        importlib.import_module(BENCHES[name]).main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
