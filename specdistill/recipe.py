@@ -6,6 +6,7 @@ parsed as YAML (so `train.max_steps=50`, `eval.temperature=[0,1]`, `corpus.colum
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdistill.errors import SpecdistillError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS = REPO_ROOT / "checkpoints"
+# Run outputs; tests point this elsewhere with SPECDISTILL_CHECKPOINTS.
+CHECKPOINTS = Path(os.environ.get("SPECDISTILL_CHECKPOINTS", REPO_ROOT / "checkpoints"))
 
 
 class Section(BaseModel):
