@@ -1,0 +1,293 @@
+"""Export: vLLM's exact on-disk names/shapes, a round trip through our own loader, and clear errors.
+
+Expectation tables are written from vLLM 0.33.0 `llama_eagle.py` (EagleLlamaForCausalLM): checkpoint
+names get "model." prepended, q/k/v and gate/up are stacked, layer 0 has no input_layernorm, there is
+no norm / lm_head module, and an unknown name is a hard load error while a missing one is silent.
+"""
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.recipe import load_recipe
+from specdistill.target import fingerprint_target, load_target
+from specdistill.train import export
+from specdistill.train.eagle import EagleHead
+from tests.conftest import tiny_config
+
+# tiny_config: H=64, I=128, 4 heads, 2 kv heads -> head_dim 16; vocab = the SmolLM2 tokenizer's
+H, I, NH, NKV, D, V = 64, 128, 4, 2, 16, 49152
+VLLM_EAGLE_TENSORS = {  # checkpoint name -> (shape, vLLM parameter it loads into)
+    "fc.weight": ((H, 2 * H), "model.fc.weight"),
+    "layers.0.self_attn.q_proj.weight": ((NH * D, H), "model.layers.0.self_attn.qkv_proj.weight"),
+    "layers.0.self_attn.k_proj.weight": ((NKV * D, H), "model.layers.0.self_attn.qkv_proj.weight"),
+    "layers.0.self_attn.v_proj.weight": ((NKV * D, H), "model.layers.0.self_attn.qkv_proj.weight"),
+    "layers.0.self_attn.o_proj.weight": ((H, NH * D), "model.layers.0.self_attn.o_proj.weight"),
+    "layers.0.mlp.gate_proj.weight": ((I, H), "model.layers.0.mlp.gate_up_proj.weight"),
+    "layers.0.mlp.up_proj.weight": ((I, H), "model.layers.0.mlp.gate_up_proj.weight"),
+    "layers.0.mlp.down_proj.weight": ((H, I), "model.layers.0.mlp.down_proj.weight"),
+    "layers.0.post_attention_layernorm.weight": ((H,), "model.layers.0.post_attention_layernorm.weight"),
+}
+# Parameters of vLLM's one-layer EagleLlamaForCausalLM (embed_tokens is shared from the target when absent).
+VLLM_EAGLE_PARAMS = {p for _, p in VLLM_EAGLE_TENSORS.values()} | {"model.embed_tokens.weight"}
+VLLM_EAGLE_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                     "hidden_size": H, "intermediate_size": I, "num_attention_heads": NH,
+                     "num_key_value_heads": NKV, "vocab_size": V, "hidden_act": "silu",
+                     "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "float32",
+                     "attention_bias": False, "mlp_bias": False, "bias": False}
+
+
+def vllm_param_name(checkpoint_name: str) -> str:
+    """What vLLM 0.33 EagleLlamaForCausalLM.load_weights + hf_to_vllm_mapper make of a name."""
+    name = checkpoint_name if "lm_head" in checkpoint_name else "model." + checkpoint_name
+    for old, new in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+                     (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")):
+        name = name.replace(old, new)
+    return name
+
+
+@pytest.fixture()
+def setup(tmp_path, tiny_target_dir, monkeypatch):
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    recipe_file = tmp_path / "tiny.yaml"
+    recipe_file.write_text(f"""run_name: tiny
+target: {{path: {tiny_target_dir}}}
+corpus: {{path: unused.jsonl}}
+draft: {{kind: eagle}}
+train: {{max_steps: 2, save_every: 1}}
+eval: {{k: 3}}
+""")
+    recipe = load_recipe(recipe_file)
+    target = load_target(recipe.target)
+    return recipe, target
+
+
+def finish_checkpoint(recipe, step: int, kind: str, config: dict, state: dict) -> "layout.Path":
+    d = layout.step_dir(recipe.run_dir, step)
+    d.mkdir(parents=True)
+    save_file(state, d / "draft.safetensors")
+    target_section = {**recipe.target.model_dump(), "fingerprint": fingerprint_target(recipe.target)}
+    (d / "draft_config.json").write_text(json.dumps({"kind": kind, "config": config, "target": target_section,
+                                                     "step": step}))
+    (d / "COMPLETE").write_text("")
+    return d
+
+
+def make_eagle_checkpoint(recipe, target_config, step=1, seed=0, edit=None):
+    torch.manual_seed(seed)
+    head = EagleHead(target_config)
+    with torch.no_grad():  # move every weight off its init value (norms are all ones otherwise)
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    state = head.own_state_dict()
+    config = json.loads(head.config.to_json_string())
+    if edit:
+        edit(state, config)
+    return finish_checkpoint(recipe, step, "eagle", config, state)
+
+
+def reload_checkpoint_head(step_dir, target):
+    from safetensors.torch import load_file
+
+    head = EagleHead(target.config)
+    head.load_own_state_dict(load_file(step_dir / "draft.safetensors"))
+    return head.bind_target(target.get_input_embeddings(), target.get_output_embeddings()).eval()
+
+
+@torch.no_grad()
+def greedy_chain(head, target, ids, n):
+    """Draft n tokens greedily after `ids`, feeding back the head's own predicted features."""
+    out = target(ids, output_hidden_states=True)
+    feats = out.hidden_states[-1][0]
+    tokens = ids[0].tolist() + [int(out.logits[0, -1].argmax())]
+    drafted = []
+    for _ in range(n):
+        pred = head(torch.tensor([tokens[1:]]), feats[None])[0, -1]
+        drafted.append(int(head.logits(pred).argmax()))
+        tokens.append(drafted[-1])
+        feats = torch.cat([feats, pred[None]])
+    return drafted
+
+
+def args(checkpoint=None, fmt=None):
+    return argparse.Namespace(checkpoint=checkpoint, format=fmt)
+
+
+def test_vllm_eagle_matches_vllm_loader_table(setup):
+    recipe, target = setup
+    make_eagle_checkpoint(recipe, target.config)
+    export.run(recipe, args())  # default format for kind eagle
+    out = layout.export_dir(recipe.run_dir, "vllm-eagle")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert names == set(VLLM_EAGLE_TENSORS), f"unexpected {names - set(VLLM_EAGLE_TENSORS)}, " \
+                                                 f"missing {set(VLLM_EAGLE_TENSORS) - names}"
+        for name, (shape, _) in VLLM_EAGLE_TENSORS.items():
+            t = f.get_tensor(name)
+            assert tuple(t.shape) == shape, name
+            assert t.dtype == torch.float32, name
+    # every name resolves to a vLLM parameter, every vLLM parameter but the shared embedding is covered
+    loaded = {vllm_param_name(n) for n in names}
+    assert loaded <= VLLM_EAGLE_PARAMS
+    assert VLLM_EAGLE_PARAMS - loaded == {"model.embed_tokens.weight"}
+    assert not any(n.endswith(".bias") or "input_layernorm" in n or n.startswith(("norm", "lm_head")) for n in names)
+
+    config = json.loads((out / "config.json").read_text())
+    for key, value in VLLM_EAGLE_CONFIG.items():
+        assert config[key] == value, key
+    assert config["rms_norm_eps"] == target.config.rms_norm_eps
+    assert config["rope_parameters"] == target.config.rope_parameters
+    assert config["rope_theta"] == target.config.rope_parameters["rope_theta"]
+
+    from transformers import AutoConfig, LlamaConfig
+
+    parsed = AutoConfig.from_pretrained(out)
+    assert isinstance(parsed, LlamaConfig) and parsed.num_hidden_layers == 1
+    assert parsed.hidden_size == target.config.hidden_size and parsed.vocab_size == target.config.vocab_size
+
+
+def test_vllm_eagle_round_trip_decodes_identically(setup):
+    recipe, target = setup
+    step_dir = make_eagle_checkpoint(recipe, target.config, seed=3)
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    before = reload_checkpoint_head(step_dir, target)
+    after = export.load_vllm_eagle(out, target)
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, V, (1, 12))
+    feats = target(ids, output_hidden_states=True).hidden_states[-1]
+    with torch.no_grad():
+        logits_before = before.logits(before(ids[:, 1:], feats[:, :-1]))
+        logits_after = after.logits(after(ids[:, 1:], feats[:, :-1]))
+    assert torch.equal(logits_before, logits_after)
+    chain = greedy_chain(before, target, ids, 6)
+    assert chain == greedy_chain(after, target, ids, 6)
+
+    # the round trip can fail: another head's export decodes differently
+    other = export.export_checkpoint(recipe, make_eagle_checkpoint(recipe, target.config, step=2, seed=4), "vllm-eagle")
+    with torch.no_grad():
+        assert not torch.equal(logits_before, export.load_vllm_eagle(other, target).logits(
+            export.load_vllm_eagle(other, target)(ids[:, 1:], feats[:, :-1])))
+
+
+def test_readme_has_serve_command_target_and_measurements(setup):
+    recipe, target = setup
+    step_dir = make_eagle_checkpoint(recipe, target.config)
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    readme = (out / "README.md").read_text()
+    spec = json.dumps({"method": "eagle", "model": str(out.resolve()), "num_speculative_tokens": 3})
+    assert f"vllm serve {recipe.target.path} --speculative-config '{spec}'" in readme
+    assert fingerprint_target(recipe.target)["weights"] in readme
+    assert "not evaluated" in readme
+
+    eval_json = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
+    eval_json.parent.mkdir(parents=True)
+    eval_json.write_text(json.dumps({"checkpoint": step_dir.name, "k": 4, "num_prompts": 2, "prompts": "p.jsonl",
+                                     "results": [{"temperature": 0.0, "tau": 2.5, "alpha": 0.61, "speedup": 1.4,
+                                                  "lossless": True, "best_k": 5}]}))
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    readme = (out / "README.md").read_text()
+    assert "tau 2.500, alpha 0.610" in readme and "not evaluated" not in readme
+    assert '"num_speculative_tokens": 5' in readme  # the measured best K
+    assert not list(out.parent.glob(".*"))  # no temp or old dirs left behind
+
+
+def test_wrong_kind_and_eagle3_formats_stop_clearly(setup):
+    recipe, target = setup
+    step_dir = make_eagle_checkpoint(recipe, target.config)
+    with pytest.raises(SpecdistillError, match="'eagle' draft.*--format vllm-eagle"):
+        export.export_checkpoint(recipe, step_dir, "hf")
+    for fmt in ("vllm-eagle3", "speculators"):
+        with pytest.raises(SpecdistillError, match="issue 6"):
+            export.export_checkpoint(recipe, step_dir, fmt)
+    with pytest.raises(SpecdistillError, match="expected one of"):
+        export.export_checkpoint(recipe, step_dir, "onnx")
+    assert not layout.export_dir(recipe.run_dir, "hf").exists()
+
+
+def test_head_that_does_not_fit_the_target_stops(setup):
+    recipe, target = setup
+    small = tiny_config("llama", vocab_size=V)
+    small.hidden_size, small.intermediate_size = 32, 64
+    step_dir = make_eagle_checkpoint(recipe, small, step=1)
+    with pytest.raises(SpecdistillError, match="hidden_size = 32 but the target has 64"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+
+    def shrink_vocab(state, config):
+        config["vocab_size"] = 1000
+    with pytest.raises(SpecdistillError, match="vocab_size = 1000 but the target has 49152"):
+        export.export_checkpoint(recipe, make_eagle_checkpoint(recipe, target.config, step=2, edit=shrink_vocab),
+                                 "vllm-eagle")
+
+    def bad_fc(state, config):
+        state["fc.weight"] = torch.zeros(H, 3 * H)
+    with pytest.raises(SpecdistillError, match=r"fc.weight has shape \[64, 192\].*\[64, 128\]"):
+        export.export_checkpoint(recipe, make_eagle_checkpoint(recipe, target.config, step=3, edit=bad_fc),
+                                 "vllm-eagle")
+
+    def add_bias(state, config):
+        state["fc.bias"] = torch.zeros(H)
+    with pytest.raises(SpecdistillError, match=r"unexpected \['fc.bias'\]"):
+        export.export_checkpoint(recipe, make_eagle_checkpoint(recipe, target.config, step=4, edit=add_bias),
+                                 "vllm-eagle")
+    assert not layout.export_dir(recipe.run_dir, "vllm-eagle").parent.exists() or \
+        not any(layout.export_dir(recipe.run_dir, "vllm-eagle").parent.iterdir())
+
+
+def test_checkpoint_choice(setup):
+    recipe, target = setup
+    make_eagle_checkpoint(recipe, target.config, step=1)
+    make_eagle_checkpoint(recipe, target.config, step=2)
+    assert export.pick_checkpoint(recipe.run_dir, None).name == "step-0000002"
+    assert export.pick_checkpoint(recipe.run_dir, "step-1").name == "step-0000001"
+    with pytest.raises(SpecdistillError, match="not a complete checkpoint"):
+        export.pick_checkpoint(recipe.run_dir, "7")
+
+
+# ---------------------------------------------------------------------------------------------- hf
+
+def make_draft_lm_checkpoint(recipe, target, vocab=V, step=1):
+    """A one-layer draft LM whose embedding and LM head are the target's (not saved, as for a frozen share)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    config = tiny_config("llama", vocab_size=vocab, layers=1)
+    draft = AutoModelForCausalLM.from_config(config).eval()
+    own = {k: v for k, v in draft.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    step_dir = finish_checkpoint(recipe, step, "draft_lm", json.loads(config.to_json_string()), own)
+    if vocab == target.config.vocab_size:
+        draft.get_input_embeddings().weight.data.copy_(target.get_input_embeddings().weight)
+    return step_dir, draft
+
+
+def test_hf_export_loads_as_plain_transformers_model(setup):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe, target = setup
+    step_dir, draft = make_draft_lm_checkpoint(recipe, target)
+    out = export.export_checkpoint(recipe, step_dir, "hf")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"} <= names
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.config.vocab_size == target.config.vocab_size
+    assert len(AutoTokenizer.from_pretrained(out)) == V
+    ids = torch.randint(3, V, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, draft(ids).logits)
+    assert '"method": "draft_model"' in (out / "README.md").read_text()
+    with pytest.raises(SpecdistillError, match="'draft_lm' draft.*--format hf"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+
+
+def test_hf_export_refuses_another_vocabulary(setup):
+    recipe, target = setup
+    step_dir, _ = make_draft_lm_checkpoint(recipe, target, vocab=1000)
+    with pytest.raises(SpecdistillError, match="vocab_size 1000 != target vocab_size 49152"):
+        export.export_checkpoint(recipe, step_dir, "hf")
