@@ -1,0 +1,115 @@
+"""Losses against hand-computed values on tiny distributions; zero at q = p; gradients only to the draft."""
+import math
+
+import pytest
+import torch
+
+from specdistill.train import losses
+
+P = [0.5, 0.3, 0.2]
+Q = [0.25, 0.25, 0.5]
+
+
+def logs(*rows):
+    return torch.tensor(rows, dtype=torch.float64).log()
+
+
+def test_each_divergence_matches_hand_computation():
+    d = losses.divergences(logs(P), logs(Q), beta=0.5)
+    fkl = sum(p * math.log(p / q) for p, q in zip(P, Q))
+    rkl = sum(q * math.log(q / p) for p, q in zip(P, Q))
+    M = [(p + q) / 2 for p, q in zip(P, Q)]
+    jsd = 0.5 * sum(p * math.log(p / m) for p, m in zip(P, M)) + 0.5 * sum(q * math.log(q / m) for q, m in zip(Q, M))
+    tvd = 0.5 * sum(abs(p - q) for p, q in zip(P, Q))
+    assert d["fkl"].item() == pytest.approx(fkl, abs=1e-12)
+    assert d["rkl"].item() == pytest.approx(rkl, abs=1e-12)
+    assert d["jsd"].item() == pytest.approx(jsd, abs=1e-12)
+    assert d["tvd"].item() == pytest.approx(tvd, abs=1e-12)  # 0.3
+
+
+def test_jsd_beta_weights_the_mixture():
+    beta = 0.2
+    d = losses.divergences(logs(P), logs(Q), ("jsd",), beta=beta)
+    M = [beta * p + (1 - beta) * q for p, q in zip(P, Q)]
+    want = beta * sum(p * math.log(p / m) for p, m in zip(P, M)) + (1 - beta) * sum(q * math.log(q / m) for q, m in zip(Q, M))
+    assert d["jsd"].item() == pytest.approx(want, abs=1e-12)
+
+
+def test_zero_when_q_equals_p_even_with_zero_probabilities():
+    lp = torch.tensor([[0.0, -math.inf, -math.inf], [-0.5, -1.2, -2.0]]).log_softmax(-1)
+    for name, v in losses.divergences(lp, lp.clone()).items():
+        assert torch.all(v == 0), name
+
+
+def test_weighted_mix_and_masked_mean():
+    log_p = logs(P, P)
+    log_q = logs(Q, P)  # second position: q = p, zero loss
+    mask = torch.tensor([1, 0])
+    loss, parts = losses.mixed_loss(log_p, log_q, {"fkl": 1.0, "tvd": 0.5}, mask=mask)
+    fkl = sum(p * math.log(p / q) for p, q in zip(P, Q))
+    assert loss.item() == pytest.approx(fkl + 0.5 * 0.3, abs=1e-12)  # only the masked-in position counts
+    loss_all, _ = losses.mixed_loss(log_p, log_q, {"fkl": 1.0, "tvd": 0.5}, mask=torch.tensor([1, 1]))
+    assert loss_all.item() == pytest.approx((fkl + 0.15) / 2, abs=1e-12)
+
+
+def test_temperature_scales_logits():
+    p_logits = torch.tensor([[2.0, 1.0, 0.0]])
+    q_logits = torch.tensor([[0.0, 1.0, 2.0]])
+    log_p, log_q = losses.full_vocab_logprobs(p_logits, q_logits, temperature=2.0)
+    assert torch.allclose(log_p.exp(), torch.softmax(p_logits / 2, -1))
+    assert torch.allclose(log_q.exp(), torch.softmax(q_logits / 2, -1))
+
+
+def test_topk_with_tail_bucket_by_hand():
+    # vocabulary of 5; p's top-2 ids are 3 and 0 with probabilities 0.6, 0.3; tail 0.1
+    topk_lp = torch.tensor([[math.log(0.6), math.log(0.3)]])
+    topk_ids = torch.tensor([[3, 0]])
+    tail = torch.tensor([0.1])
+    q = torch.tensor([[0.1, 0.2, 0.1, 0.4, 0.2]])
+    log_p, log_q = losses.topk_logprobs(topk_lp, topk_ids, tail, q.log())
+    assert torch.allclose(log_p.exp(), torch.tensor([[0.6, 0.3, 0.1]]), atol=1e-6)
+    assert torch.allclose(log_q.exp(), torch.tensor([[0.4, 0.1, 0.5]]), atol=1e-6)
+    d = losses.divergences(log_p, log_q)
+    want = 0.6 * math.log(0.6 / 0.4) + 0.3 * math.log(0.3 / 0.1) + 0.1 * math.log(0.1 / 0.5)
+    assert d["fkl"].item() == pytest.approx(want, abs=1e-5)
+    assert d["tvd"].item() == pytest.approx(0.5 * (0.2 + 0.2 + 0.4), abs=1e-6)
+
+
+def test_topk_zero_when_draft_matches_and_tail_empty():
+    logits = torch.tensor([[3.0, 1.0, -2.0, 0.5]])
+    lp = logits.log_softmax(-1)
+    top = lp.topk(4)
+    log_p, log_q = losses.topk_logprobs(top.values, top.indices, torch.tensor([0.0]), logits)
+    d = losses.divergences(log_p, log_q)
+    assert all(v.abs().item() < 1e-6 for v in d.values())
+    top2 = lp.topk(2)  # with a non-empty tail bucket too
+    tail = 1 - top2.values.exp().sum(-1)
+    d2 = losses.divergences(*losses.topk_logprobs(top2.values, top2.indices, tail, logits))
+    assert all(v.abs().item() < 1e-6 for v in d2.values())
+
+
+def test_large_logits_stay_finite():
+    p = torch.tensor([[1000.0, -1000.0, 0.0]])
+    q = torch.tensor([[-1000.0, 1000.0, 0.0]])
+    d = losses.divergences(*losses.full_vocab_logprobs(p, q))
+    assert all(torch.isfinite(v).all() for v in d.values())
+    assert d["tvd"].item() == pytest.approx(1.0)
+
+
+def test_gradients_reach_only_the_draft(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.train.eagle import EagleHead
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval().requires_grad_(False)
+    head = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
+    ids = torch.randint(0, 100, (1, 6))
+    feats = torch.randn(1, 6, target.config.hidden_size)
+    f_hat = head(ids, feats, torch.arange(6)[None])
+    log_p, log_q = losses.full_vocab_logprobs(target.lm_head(feats), head.logits(f_hat))
+    loss, _ = losses.mixed_loss(log_p, log_q, {"fkl": 1.0, "jsd": 1.0, "tvd": 1.0, "rkl": 1.0})
+    (loss + losses.smooth_l1_features(f_hat, feats)).backward()
+    assert target.get_input_embeddings().weight.grad is None
+    assert target.lm_head.weight.grad is None
+    assert all(p.grad is not None for p in head.parameters()), "every head parameter gets a gradient"
+    assert head.fc.weight.grad.abs().sum() > 0
