@@ -1,0 +1,469 @@
+"""The `report` stage: report.md + PNG plots + TensorBoard scalars from checkpoints/<run>/eval/*.json.
+
+What it shows (definitions: ../shared/docs/metrics.md):
+  - one row per checkpoint: offline fkl / tvd / predicted α / top-1 (held-out and eval prompts) next to
+    the measured α, τ, speedup and lossless flag per temperature;
+  - measured α against what should predict it: predicted α = 1 − E[tvd] for T > 0, top-1 for T = 0
+    (greedy verification accepts exactly when the argmaxes agree); and measured α against fkl;
+  - measured τ per K against Leviathan's E = (1 − α^(K+1)) / (1 − α) with the measured α;
+  - the comparators' speedups on the same prompts; where the time goes; α per draft depth.
+`--runs A B C` puts several runs in one report: checkpoints/compare-A-B-C/report.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+
+OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
+COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+DASH = "—"
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+def load_evals(run_dir: Path) -> list[dict]:
+    """Every checkpoint's eval JSON in a run, oldest step first; each gets `_run` and `_file`."""
+    files = sorted(layout.eval_dir(run_dir).glob("*.json"))
+    if not files:
+        raise SpecdistillError(f"{layout.eval_dir(run_dir)}: no eval results (*.json); run `specdistill eval` first")
+    evals = [read_eval(f) for f in files]
+    for e in evals:
+        e["_run"] = run_dir.name
+    return sorted(evals, key=lambda e: e["step"])
+
+
+def read_eval(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
+    for key in ("checkpoint", "step", "results"):
+        if key not in data:
+            raise SpecdistillError(f"{path}: missing key '{key}'")
+    if not isinstance(data["results"], list) or not data["results"]:
+        raise SpecdistillError(f"{path}: key 'results' must be a non-empty list")
+    for i, r in enumerate(data["results"]):
+        if not isinstance(r, dict) or "temperature" not in r:
+            raise SpecdistillError(f"{path}: results[{i}] has no 'temperature'")
+    data["_file"] = str(path)
+    return data
+
+
+def result_at(e: dict, temperature: float) -> dict:
+    return next((r for r in e["results"] if float(r["temperature"]) == temperature), {})
+
+
+def offline(e: dict, source: str, key: str):
+    return ((e.get("offline") or {}).get(source) or {}).get(key)
+
+
+def temperatures(evals: list[dict]) -> list[float]:
+    return sorted({float(r["temperature"]) for e in evals for r in e["results"]})
+
+
+def num(x, digits: int = 3) -> str:
+    if x is None:
+        return DASH
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def label(e: dict, many_runs: bool) -> str:
+    return f"{e['_run']}/{e['checkpoint']}" if many_runs else e["checkpoint"]
+
+
+def short_label(e: dict, many_runs: bool) -> str:
+    return f"{e['_run']}@{e['step']}" if many_runs else str(e["step"])
+
+
+def best_checkpoint(evals: list[dict]) -> dict:
+    """Highest speedup at T=0 (at the lowest temperature measured when no T=0 run exists)."""
+    t0 = temperatures(evals)[0]
+    return max(evals, key=lambda e: result_at(e, t0).get("speedup") or -math.inf)
+
+
+def leviathan_tau(alpha: float, k: int) -> float:
+    """Expected tokens per step for i.i.d. acceptance alpha and a chain of K drafted tokens."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+# ------------------------------------------------------------------------------------- provenance
+
+def hardware_text(e: dict) -> str:
+    hw = e.get("hardware") or {}
+    parts = [str(hw[k]) for k in ("cpu", "device") if hw.get(k)]
+    if hw.get("threads"):
+        parts.append(f"{hw['threads']} threads")
+    return ", ".join(parts) or "unknown hardware"
+
+
+def provenance(evals: list[dict], command: str) -> str:
+    """One line saying what produced a figure: target, prompts, T, K, max_new_tokens, n, hardware, command."""
+    def joined(key):
+        return ", ".join(sorted({str(e.get(key, DASH)) for e in evals}))
+    temps = ", ".join(num(t, 1) for t in temperatures(evals))
+    return (f"target {joined('target')} | prompts {joined('prompts')} (n={joined('num_prompts')}) | "
+            f"T {temps} | K {joined('k')} | max_new_tokens {joined('max_new_tokens')} | "
+            f"{'; '.join(sorted({hardware_text(e) for e in evals}))} | {command}")
+
+
+# ---------------------------------------------------------------------------------------- tables
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
+    temps = temperatures(evals)
+    header = ["checkpoint", "step"]
+    header += [f"{k} ({src})" for src in ("held-out", "prompts") for k in ("fkl", "tvd", "pred α", "top-1")]
+    for t in temps:
+        header += [f"α T={num(t, 1)}", f"τ T={num(t, 1)}", f"speedup T={num(t, 1)}", f"lossless T={num(t, 1)}"]
+    rows = []
+    for e in evals:
+        row = [label(e, many_runs), str(e["step"])]
+        row += [num(offline(e, src, k)) for src in ("heldout", "prompts") for k in OFFLINE_KEYS]
+        for t in temps:
+            r = result_at(e, t)
+            row += [num(r.get("alpha")), num(r.get("tau")), num(r.get("speedup"), 2), num(r.get("lossless"))]
+        rows.append(row)
+    return table(header, rows)
+
+
+def comparator_table(evals: list[dict], many_runs: bool) -> str:
+    temps = temperatures(evals)
+    header = ["checkpoint"] + [f"ours T={num(t, 1)}" for t in temps] + [f"{c} (speedup, tok/s)" for c in COMPARATORS]
+    rows = []
+    for e in evals:
+        comps = e.get("comparators") or {}
+        row = [label(e, many_runs)] + [num(result_at(e, t).get("speedup"), 2) for t in temps]
+        for c in COMPARATORS:
+            entry = comps.get(c) or {}
+            row.append(DASH if not entry else f"{num(entry.get('speedup'), 2)} ({num(entry.get('tokens_per_s'), 1)})")
+        rows.append(row)
+    return table(header, rows)
+
+
+def time_table(evals: list[dict], many_runs: bool) -> str:
+    header = ["checkpoint", "T", "ms / draft step", "ms / verify", "ms / token", "baseline ms / token",
+              "tokens/s", "baseline tokens/s", "α per depth"]
+    rows = []
+    for e in evals:
+        for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
+            depth = ", ".join(num(a, 2) for a in r.get("alpha_at") or []) or DASH
+            rows.append([label(e, many_runs), num(float(r["temperature"]), 1), num(r.get("ms_per_draft_step"), 2),
+                         num(r.get("ms_per_verify"), 2), num(r.get("ms_per_token"), 2),
+                         num(r.get("baseline_ms_per_token"), 2), num(r.get("tokens_per_s"), 1),
+                         num(r.get("baseline_tokens_per_s"), 1), depth])
+    return table(header, rows)
+
+
+def tau_k_table(evals: list[dict], many_runs: bool) -> str:
+    header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "best K"]
+    rows = []
+    for e in evals:
+        for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
+            for k, tau in tau_points(e, r):
+                alpha = r.get("alpha")
+                rows.append([label(e, many_runs), num(float(r["temperature"]), 1), num(alpha), str(k), num(tau),
+                             num(leviathan_tau(alpha, k)) if alpha is not None else DASH, num(r.get("best_k"))])
+    return table(header, rows)
+
+
+def category_table(e: dict) -> str:
+    rows = []
+    for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
+        for cat, c in sorted((r.get("per_category") or {}).items()):
+            rows.append([cat, num(float(r["temperature"]), 1), num(c.get("tau")), num(c.get("alpha")),
+                         num(c.get("speedup"), 2), num(c.get("num_prompts"))])
+    return table(["category", "T", "τ", "α", "speedup", "prompts"], rows) if rows else "no per-category results"
+
+
+def tau_points(e: dict, r: dict) -> list[tuple[int, float]]:
+    """(K, τ) pairs: the K sweep when there is one, else the single K of the run."""
+    by_k = r.get("tau_by_k") or {}
+    if by_k:
+        return sorted((int(k), float(v)) for k, v in by_k.items() if v is not None)
+    if r.get("tau") is not None and e.get("k") is not None:
+        return [(int(e["k"]), float(r["tau"]))]
+    return []
+
+
+# ----------------------------------------------------------------------------------------- plots
+
+def new_figure(ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(6.2 * ncols, 5.0), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, path: Path, footer: str) -> Path:
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    wrapped = "\n".join(textwrap.wrap(footer, int(fig.get_figwidth() * 17)))  # ~chars per line at 6.5 pt
+    fig.text(0.01, 0.005, wrapped, fontsize=6.5, va="bottom", ha="left", color="0.3")
+    fig.tight_layout(rect=(0, 0.04 + 0.02 * wrapped.count("\n"), 1, 1))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_alpha_vs_predicted(evals, many_runs, path, footer) -> Path:
+    """T=0: measured α against top-1; T>0: against predicted α = 1 − E[tvd]; both offline sources, y = x."""
+    temps = temperatures(evals)
+    fig, axes = new_figure(len(temps))
+    for ax, t in zip(axes, temps):
+        key, what = ("top1", "top-1") if t == 0 else ("predicted_alpha", "predicted α = 1 − E[tvd]")
+        for src, marker in (("heldout", "o"), ("prompts", "s")):
+            pts = [(offline(e, src, key), result_at(e, t).get("alpha"), short_label(e, many_runs)) for e in evals]
+            pts = [p for p in pts if p[0] is not None and p[1] is not None]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{what} ({src})")
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="y = x")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=f"offline {what}", ylabel="measured α",
+               title=f"measured α vs offline prediction, T={num(t, 1)} (labels: step)")
+        ax.legend(fontsize=7)
+    return save_figure(fig, path, footer)
+
+
+def plot_alpha_vs_fkl(evals, many_runs, path, footer) -> Path:
+    fig, (ax,) = new_figure()
+    for t in temperatures(evals):
+        for src, marker in (("heldout", "o"), ("prompts", "s")):
+            pts = [(offline(e, src, "fkl"), result_at(e, t).get("alpha")) for e in evals]
+            pts = [p for p in pts if None not in p]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, label=f"T={num(t, 1)}, fkl on {src}")
+    ax.set(xlabel="offline fkl = KL(p ‖ q) (nats/token)", ylabel="measured α", ylim=(0, 1),
+           title="measured α vs offline forward KL, per checkpoint")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path, footer)
+
+
+def plot_tau_vs_k(evals, many_runs, path, footer) -> Path:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    temps = temperatures(evals)
+    fig, axes = new_figure(len(temps))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, t in zip(axes, temps):
+        for i, e in enumerate(evals):
+            r = result_at(e, t)
+            pts = tau_points(e, r)
+            if not pts or r.get("alpha") is None:
+                continue
+            color = colors[i % len(colors)]
+            ks = list(range(1, max(k for k, _ in pts) + 2))
+            ax.plot(ks, [leviathan_tau(r["alpha"], k) for k in ks], "--", color=color, lw=0.9)
+            ax.plot(*zip(*pts), "o-", color=color, label=f"{label(e, many_runs)} (α={r['alpha']:.2f})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="K (drafted tokens per step)", ylabel="τ (tokens per target step)",
+               title=f"measured τ (dots) vs Leviathan (1−α^(K+1))/(1−α) (dashed), T={num(t, 1)}")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path, footer)
+
+
+def plot_comparators(e: dict, path, footer) -> Path:
+    names, values, colors = [], [], []
+    for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
+        if r.get("speedup") is not None:
+            names.append(f"ours {e['checkpoint']}\nT={num(float(r['temperature']), 1)}")
+            values.append(r["speedup"])
+            colors.append("C0")
+    for c in COMPARATORS:
+        entry = (e.get("comparators") or {}).get(c) or {}
+        if entry.get("speedup") is not None:
+            names.append(c)
+            values.append(entry["speedup"])
+            colors.append("C1")
+    fig, (ax,) = new_figure()
+    ax.bar(range(len(values)), values, color=colors)
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set(ylabel="speedup over plain autoregressive decoding (same run)",
+           title=f"speedup on the same prompts: {e['_run']}/{e['checkpoint']} vs comparators")
+    ax.title.set_fontsize(9)
+    return save_figure(fig, path, footer)
+
+
+def plot_time_split(evals, many_runs, path, footer) -> Path:
+    """Left: ms per committed token, ours vs baseline. Right: α per draft depth."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax, ax2) = new_figure(2)
+    bars = []
+    for e in evals:
+        for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
+            draft = (r.get("ms_per_draft_step") or 0) * int(e.get("k") or 0)
+            bars.append((f"{label(e, many_runs)}\nT={num(float(r['temperature']), 1)}", draft,
+                         r.get("ms_per_verify") or 0, r.get("ms_per_token"), r.get("baseline_ms_per_token")))
+    x = range(len(bars))
+    ax.bar(x, [b[1] for b in bars], label="drafting per step (K × ms/draft step)")
+    ax.bar(x, [b[2] for b in bars], bottom=[b[1] for b in bars], label="verify per step")
+    ax.plot(x, [b[3] if b[3] is not None else math.nan for b in bars], "k^", label="ms per token (ours)")
+    ax.plot(x, [b[4] if b[4] is not None else math.nan for b in bars], "rv", label="ms per token (baseline)")
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=6, rotation=30)
+    ax.set(ylabel="milliseconds", title="where the time goes, per step and per token")
+    ax.legend(fontsize=7)
+    for e in evals:
+        for r in e["results"]:
+            if r.get("alpha_at"):
+                ax2.plot(range(1, len(r["alpha_at"]) + 1), r["alpha_at"], "o-",
+                         label=f"{label(e, many_runs)} T={num(float(r['temperature']), 1)}")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set(xlabel="draft depth i", ylabel="α at depth i (given depths < i accepted)", ylim=(0, 1),
+            title="acceptance per draft depth")
+    ax2.legend(fontsize=6)
+    return save_figure(fig, path, footer)
+
+
+# ----------------------------------------------------------------------------------- TensorBoard
+
+def write_tensorboard(run_dir: Path, evals: list[dict]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(layout.tb_dir(run_dir)), filename_suffix=".report")
+    for e in evals:
+        step = int(e["step"])
+        for src in ("heldout", "prompts"):
+            for k in OFFLINE_KEYS:
+                if offline(e, src, k) is not None:
+                    writer.add_scalar(f"eval/offline_{src}/{k}", offline(e, src, k), step)
+        for r in e["results"]:
+            t = f"T{float(r['temperature']):g}"
+            for k in ("tau", "alpha", "speedup", "tokens_per_s", "ms_per_token", "predicted_tau_leviathan"):
+                if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool):
+                    writer.add_scalar(f"eval/{t}/{k}", r[k], step)
+            for i, a in enumerate(r.get("alpha_at") or []):
+                writer.add_scalar(f"eval/{t}/alpha_at_{i}", a, step)
+    writer.close()
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def run(recipe, args) -> None:
+    names = list(getattr(args, "runs", None) or [recipe.run_name])
+    root = recipe.run_dir.parent
+    for name in names:
+        if not (root / name).is_dir():
+            raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
+    runs = {name: load_evals(root / name) for name in names}
+    out_dir = root / name if len(names) == 1 else root / f"compare-{'-'.join(names)}"
+    runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
+    command = f"specdistill report --recipe {recipe.source}{runs_flag}"
+    path, headline = write_report(runs, out_dir, command)
+    for name in names:
+        write_tensorboard(root / name, runs[name])
+    print(f"report: {path}")
+    print(headline)
+
+
+def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str) -> tuple[Path, str]:
+    """Write out_dir/report.md and its PNGs; return the path and the headline line."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    evals = [e for es in runs.values() for e in es]
+    many = len(runs) > 1
+    footer = provenance(evals, command)
+    best = best_checkpoint(evals)
+    t0 = temperatures(evals)[0]
+    rb = result_at(best, t0)
+    headline = (f"best checkpoint: {label(best, True)} (by speedup at T={num(t0, 1)}): τ {num(rb.get('tau'))}, "
+                f"α {num(rb.get('alpha'))}, speedup {num(rb.get('speedup'), 2)}x, lossless {num(rb.get('lossless'))}")
+    figures = {
+        "alpha_vs_predicted.png": plot_alpha_vs_predicted(evals, many, out_dir / "alpha_vs_predicted.png", footer),
+        "alpha_vs_fkl.png": plot_alpha_vs_fkl(evals, many, out_dir / "alpha_vs_fkl.png", footer),
+        "tau_vs_k.png": plot_tau_vs_k(evals, many, out_dir / "tau_vs_k.png", footer),
+        "comparators.png": plot_comparators(best, out_dir / "comparators.png", footer),
+        "time_split.png": plot_time_split(evals, many, out_dir / "time_split.png", footer),
+    }
+    text = render(runs, evals, many, best, headline, footer, command, figures)
+    tmp = out_dir / f".report.md.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, out_dir / "report.md")
+    return out_dir / "report.md", headline
+
+
+def render(runs, evals, many, best, headline, footer, command, figures) -> str:
+    evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
+    note = "   # with each run's own recipe" if many else ""
+    reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.json\n{command}"
+    return f"""# specdistill report: {', '.join(runs)}
+
+**{headline}**
+
+Produced from {len(evals)} eval result(s): {', '.join(f'`{e["_file"]}`' for e in evals)}.
+What produced every number and figure below: {footer}
+
+Reproduce:
+```sh
+{reproduce}
+```
+
+## Checkpoints: offline prediction vs measured decoding
+Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
+speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
+same target measured in the same run; lossless = token-identical to greedy (T=0) or a passed
+distribution test (T>0).
+
+{checkpoint_table(evals, many)}
+
+![measured α vs predicted α]({figures['alpha_vs_predicted.png'].name})
+
+*Measured α against the offline number that predicts it: top-1 agreement at T=0 (greedy verification
+accepts when the argmaxes agree), predicted α = 1 − E[tvd] at T>0; dashed: y = x. {footer}*
+
+![measured α vs fkl]({figures['alpha_vs_fkl.png'].name})
+
+*Measured α against the offline forward KL of each checkpoint. {footer}*
+
+## τ per K against Leviathan's curve
+Dashed: E = (1 − α^(K+1)) / (1 − α) with the measured α; dots: measured τ. The gap shows that
+acceptance is not i.i.d. across draft depths.
+
+{tau_k_table(evals, many)}
+
+![tau vs K]({figures['tau_vs_k.png'].name})
+
+*{footer}*
+
+## Comparators on the same prompts
+{comparator_table(evals, many)}
+
+![comparators]({figures['comparators.png'].name})
+
+*Best checkpoint {label(best, True)} against transformers' own generation modes. {footer}*
+
+## Where the time goes; α per draft depth
+{time_table(evals, many)}
+
+![time split]({figures['time_split.png'].name})
+
+*{footer}*
+
+## Per prompt category ({label(best, True)})
+{category_table(best)}
+"""

