@@ -1,0 +1,241 @@
+"""Training on tiny real models: checkpoints, reload, resume, 1 vs 2 processes, NaN stop.
+
+Caches are written here in the docs/DESIGN.md format by running the tiny target (no dependency on
+the cache stage's writer), and read back through specdistill.data.cache_reader like real runs.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from specdistill import layout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_cache(run_dir: Path, target_dir: Path, n_train=6, n_heldout=3, k=8, seed=0, nan_sequence=None):
+    """A cache with hidden_last and top-k for both splits, one shard each, per docs/DESIGN.md."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    g = torch.Generator().manual_seed(seed)
+    cache = layout.cache_dir(run_dir)
+    manifest = {"version": 1, "store": ["hidden_last", "topk"], "k": k, "dtype": "float32", "complete": True,
+                "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size, "splits": {}}
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        cols = {key: [] for key in ("input_ids", "loss_mask", "hidden_last", "topk_logprobs", "topk_ids", "tail_mass")}
+        lens = []
+        for s in range(n):
+            T = int(torch.randint(10, 20, (1,), generator=g))
+            ids = torch.randint(3, 400, (1, T), generator=g)
+            with torch.no_grad():
+                out = model(ids, output_hidden_states=True)
+            h = out.hidden_states[-1][0]
+            if split == "train" and s == nan_sequence:
+                h = h.clone()
+                h[T // 2] = float("nan")
+            lp = out.logits[0].float().log_softmax(-1)
+            top = lp.topk(k)
+            mask = torch.ones(T, dtype=torch.uint8)
+            mask[:3] = 0  # a "prompt" that is not trained
+            cols["input_ids"].append(ids[0].int())
+            cols["loss_mask"].append(mask)
+            cols["hidden_last"].append(h)
+            cols["topk_logprobs"].append(top.values)
+            cols["topk_ids"].append(top.indices.int())
+            cols["tail_mass"].append((1 - top.values.exp().sum(-1)).clamp(min=0))
+            lens.append(T)
+        tensors = {key: torch.cat(v).contiguous() for key, v in cols.items()}
+        tensors["seq_lens"] = torch.tensor(lens, dtype=torch.int64)
+        (cache / split).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(cache / split / "shard-00000.safetensors"))
+        manifest["splits"][split] = {"sequences": n, "tokens": sum(lens),
+                                     "shards": [{"file": "shard-00000.safetensors", "sequences": n, "tokens": sum(lens)}]}
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+
+
+def make_recipe(tmp_path, target_dir, run_name, kind="eagle", **train):
+    from specdistill.recipe import load_recipe
+
+    tree = {
+        "run_name": run_name,
+        "target": {"path": str(target_dir)},
+        "corpus": {"path": "unused.jsonl"},
+        "draft": {"kind": kind},
+        "loss": {"terms": {"fkl": 1.0, "tvd": 0.5}},
+        "train": {"max_steps": 4, "save_every": 2, "micro_batch_size": 2, "lr": 0.003, "warmup_steps": 1,
+                  "log_every": 1, "heldout_batches": 2, **train},
+    }
+    if kind == "draft_lm":
+        tree["draft"].update(num_layers=1)
+    path = tmp_path / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return load_recipe(path)
+
+
+@pytest.fixture
+def checkpoints_root(tmp_path, monkeypatch):
+    import specdistill.recipe
+
+    root = tmp_path / "checkpoints"
+    monkeypatch.setenv("SPECDISTILL_CHECKPOINTS", str(root))
+    monkeypatch.setattr(specdistill.recipe, "CHECKPOINTS", root)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    return root
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_step_micro_batches_same_for_one_and_two_processes():
+    from specdistill.train.loop import step_micro_batches
+
+    for step in range(5):
+        one = step_micro_batches(7, step, micro=2, accum=2, world=1, rank=0, seed=3)
+        two = [step_micro_batches(7, step, micro=2, accum=1, world=2, rank=r, seed=3)[0] for r in range(2)]
+        assert one == two
+    seen = [i for s in range(7) for mb in step_micro_batches(7, s, 1, 1, 1, 0, seed=0) for i in mb]
+    assert sorted(seen) == list(range(7)), "one epoch visits every sequence once"
+
+
+def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.train import drafts, launch
+    from specdistill.train.eagle import EagleHead
+
+    recipe = make_recipe(tmp_path, tiny_target_dir, "eagle-run", max_steps=4)
+    write_cache(recipe.run_dir, tiny_target_dir)
+    history = launch.run(recipe)
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert {"loss", "fkl", "tvd", "feature_smooth_l1", "distribution", "lr", "grad_norm", "tokens_per_s"} <= set(history[0])
+    steps = layout.checkpoints(recipe.run_dir)
+    assert [p.name for p in steps] == ["step-0000002", "step-0000004"]
+    last = steps[-1]
+    assert sorted(q.name for q in last.iterdir()) == ["COMPLETE", "draft.safetensors", "draft_config.json", "ds", "metrics.json"]
+    held = json.loads((last / "metrics.json").read_text())["heldout"]
+    assert {"fkl", "tvd", "predicted_alpha", "top1"} <= set(held)
+    assert held["predicted_alpha"] == pytest.approx(1 - held["tvd"])
+    assert drafts.draft_kind(last) == "eagle"
+
+    from safetensors.torch import load_file
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    saved = load_file(str(last / "draft.safetensors"))
+    assert set(saved) == set(EagleHead(target.config).own_state_dict())
+    head = drafts.load_draft(last, target)
+    assert isinstance(head, EagleHead)
+    assert torch.equal(head.fc.weight, saved["fc.weight"])
+    f = torch.randn(1, 5, target.config.hidden_size)
+    assert head(torch.arange(5)[None], f, torch.arange(5)[None]).shape == (1, 5, target.config.hidden_size)
+    assert list((recipe.run_dir / "tb").glob("events.*"))
+
+
+def test_draft_lm_trains_on_topk_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.train import drafts, launch
+
+    recipe = make_recipe(tmp_path, tiny_target_dir, "lm-run", kind="draft_lm", max_steps=2, lr=0.01)
+    write_cache(recipe.run_dir, tiny_target_dir)
+    history = launch.run(recipe)
+    assert history[-1]["loss"] < history[0]["loss"] * 1.5  # trains without blowing up
+    last = layout.checkpoints(recipe.run_dir)[-1]
+    held = json.loads((last / "metrics.json").read_text())["heldout"]
+    assert "truncated" in held["distribution"] and 0 <= held["predicted_alpha"] <= 1
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    draft = drafts.load_draft(last, target)
+    assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == target.config.vocab_size
+    assert draft(torch.arange(6)[None]).logits.shape[-1] == target.config.vocab_size
+
+
+def test_resume_continues_the_same_schedule(tmp_path, tiny_target_dir, checkpoints_root):
+    from specdistill.train import launch
+
+    full = make_recipe(tmp_path, tiny_target_dir, "full", max_steps=4, save_every=2)
+    write_cache(full.run_dir, tiny_target_dir)
+    launch.run(full)
+    cut = make_recipe(tmp_path, tiny_target_dir, "cut", max_steps=4, save_every=2)
+    write_cache(cut.run_dir, tiny_target_dir)
+    launch.run(cut, stop_after=2)  # "interrupted" after the first checkpoint
+    assert [p.name for p in layout.checkpoints(cut.run_dir)] == ["step-0000002"]
+    launch.run(cut)
+    a, b = read_log(full.run_dir), read_log(cut.run_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-6), ra["step"]
+        assert rb["lr"] == pytest.approx(ra["lr"], rel=1e-9)
+
+
+def test_two_processes_match_one(tmp_path, tiny_target_dir, checkpoints_root):
+    from specdistill.train import launch
+
+    one = make_recipe(tmp_path, tiny_target_dir, "one", max_steps=3, save_every=3, micro_batch_size=2,
+                      gradient_accumulation_steps=2)
+    two = make_recipe(tmp_path, tiny_target_dir, "two", max_steps=3, save_every=3, micro_batch_size=2,
+                      num_gpus=2)
+    for r in (one, two):
+        write_cache(r.run_dir, tiny_target_dir)
+    launch.run(one)
+    launch.run(two)  # the DeepSpeed launcher, 2 CPU processes (gloo)
+    a, b = read_log(one.run_dir), read_log(two.run_dir)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+    assert rb["tokens_per_s"] > 0
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_good(tmp_path, tiny_target_dir, checkpoints_root):
+    from specdistill.errors import SpecdistillError
+    from specdistill.train import launch
+
+    recipe = make_recipe(tmp_path, tiny_target_dir, "nan", max_steps=6, save_every=1, micro_batch_size=1)
+    write_cache(recipe.run_dir, tiny_target_dir, n_train=6, nan_sequence=4)
+    with pytest.raises(SpecdistillError, match=r"at step (\d+)") as err:
+        launch.run(recipe)
+    import re
+
+    bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    kept = layout.checkpoints(recipe.run_dir)
+    assert [int(p.name[5:]) for p in kept] == list(range(1, bad))
+    if kept:
+        assert kept[-1].name in str(err.value)
+
+
+def test_draft_lm_lora_and_resized_hidden(tiny_target_dir):
+    from specdistill.recipe import DraftConfig, LoraConfig
+    from specdistill.target import load_target_config
+    from specdistill.recipe import TargetConfig
+    from specdistill.train import draft_lm
+
+    cfg = load_target_config(TargetConfig(path=str(tiny_target_dir)))
+    copied = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1), cfg, str(tiny_target_dir))
+    src = draft_lm.read_target_tensors(tiny_target_dir, ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
+    assert torch.equal(copied.model.layers[0].self_attn.q_proj.weight, src["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(copied.model.embed_tokens.weight, src["model.embed_tokens.weight"])
+    small = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1, hidden_size=32, intermediate_size=64,
+                                                num_attention_heads=2, num_key_value_heads=1), cfg, str(tiny_target_dir))
+    assert small.config.hidden_size == 32 and small(torch.arange(4)[None]).logits.shape[-1] == cfg.vocab_size
+    lora = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1, lora=LoraConfig(r=4)), cfg,
+                                   str(tiny_target_dir))
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.01)  # make the adapter non-trivial so merging changes the weights
+    state = draft_lm.own_state_dict(lora)
+    assert not any("lora" in k or "base_layer" in k for k in state)
+    merged = state["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(merged, src["model.layers.0.self_attn.q_proj.weight"])
+    x = torch.arange(6)[None]
+    reloaded = draft_lm.load_draft_lm(draft_lm.config_dict(lora), state)
+    with torch.no_grad():
+        assert torch.allclose(reloaded(x).logits, lora(input_ids=x).logits, atol=1e-4)

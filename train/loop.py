@@ -1,0 +1,281 @@
+"""The training loop under DeepSpeed: one code path for 1 process (in-process) and N processes.
+
+Run by `specdistill train` (train/launch.py), or per process by the DeepSpeed launcher:
+    deepspeed --num_gpus N --module specdistill.train.loop --recipe RESOLVED.yaml
+
+Data order is a pure function of (seed, step): step s takes the s-th block of `global batch`
+sequences from an endless stream of per-epoch permutations, and micro batch k of it goes to rank
+k % world (accumulation index k // world). So 1 process x 2 accumulation steps and 2 processes x 1
+see the same micro batches, and a resumed run continues exactly where the interrupted one was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.train import checkpoint, drafts
+from specdistill.train.ds_config import build_ds_config
+from specdistill.train.offline_metrics import offline_metrics
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---- data order -------------------------------------------------------------------------------
+
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def step_micro_batches(n: int, step: int, micro: int, accum: int, world: int, rank: int, seed: int) -> list[list[int]]:
+    """Sequence indices of this rank's micro batches for optimizer step `step` (0-based)."""
+    per_step = micro * accum * world
+    orders: dict[int, list[int]] = {}
+    flat = []
+    for i in range(step * per_step, (step + 1) * per_step):
+        epoch, j = divmod(i, n)
+        if epoch not in orders:
+            orders[epoch] = _epoch_order(n, seed, epoch)
+        flat.append(orders[epoch][j])
+    chunks = [flat[k * micro:(k + 1) * micro] for k in range(accum * world)]
+    return [chunks[m * world + rank] for m in range(accum)]
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# ---- distributed set-up --------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed():
+    """Join the launcher's process group, or make a 1-process group when run in-process."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    acc = get_accelerator()
+    backend = "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.device_name(local))
+    if device.type != "cpu":
+        acc.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_mean(values: torch.Tensor, world: int) -> torch.Tensor:
+    values = values.detach().float().cpu().clone()
+    if world > 1:
+        dist.all_reduce(values)
+    return values / world
+
+
+def all_sum(value: float, world: int) -> float:
+    t = torch.tensor([float(value)])
+    if world > 1:
+        dist.all_reduce(t)
+    return t.item()
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+def feature_std(dataset, n: int = 8) -> float:
+    """Std of the cached features over the first sequences: sets EAGLE's noise scale (deterministic)."""
+    xs = [dataset[i]["hidden_last"].float() for i in range(min(n, len(dataset)))]
+    return torch.cat(xs).std().item() if xs else 1.0
+
+
+def _heldout_batches(cache, recipe, device) -> list[dict]:
+    from specdistill.data.cache_reader import CacheDataset, collate
+
+    try:
+        held = CacheDataset(cache, "heldout")
+    except SpecdistillError:
+        return []
+    mb = recipe.train.micro_batch_size
+    n = min(len(held), recipe.train.heldout_batches * mb)
+    return [to_device(collate([held[i] for i in range(a, min(a + mb, n))]), device) for a in range(0, n, mb)]
+
+
+def _log_line(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "train_log.jsonl", "a") as fh:  # append-only; one line per step
+        fh.write(json.dumps(record) + "\n")
+
+
+def train(recipe, stop_after: int | None = None) -> list[dict]:
+    """Train (resuming from the latest complete checkpoint). Returns rank 0's per-step log records.
+
+    stop_after: stop once this step is done (simulates an interruption; used by the resume test).
+    """
+    import deepspeed
+    from torch.utils.tensorboard import SummaryWriter
+
+    from specdistill.data.cache_reader import CacheDataset, collate
+
+    tc, kind = recipe.train, recipe.draft.kind
+    rank, world, device = init_distributed()
+    run_dir = recipe.run_dir
+    cache = layout.cache_dir(run_dir)
+    data = CacheDataset(cache, "train")
+    if len(data) == 0:
+        raise SpecdistillError(f"{cache}: the train split has no sequences")
+    dtype = DTYPES[tc.precision]
+    torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
+    parts = drafts.load_target_parts(recipe.target, device, dtype)
+    draft = drafts.build_draft(recipe, parts.config, parts.embed, parts.lm_head, target_dir=parts.where)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=draft, model_parameters=trainable,
+                                           config=build_ds_config(tc, world))
+    std = feature_std(data) if kind == "eagle" else 1.0
+    start = 0
+    latest = checkpoint.latest_checkpoint(run_dir)
+    if latest is not None:
+        checkpoint.load_ds_state(engine, latest)
+        start = checkpoint.checkpoint_step(latest)
+        if rank == 0:
+            print(f"resuming from {latest.name}", flush=True)
+    meta = {"kind": kind, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
+            "loss": recipe.loss.model_dump(mode="json"), "feature_std": std if kind == "eagle" else None}
+    heldout = _heldout_batches(cache, recipe, device)
+    writer = SummaryWriter(str(layout.tb_dir(run_dir))) if rank == 0 else None
+    bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {kind}", disable=rank != 0, mininterval=1.0)
+    history, last_good = [], latest
+    try:
+        for step in range(start, tc.max_steps):
+            t0 = time.time()
+            record = _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, device, std, last_good)
+            record["tokens_per_s"] = record.pop("tokens") / max(time.time() - t0, 1e-9)
+            history.append(record)
+            if rank == 0:
+                _log_line(run_dir, record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if (step + 1) % tc.log_every == 0 or step == start:
+                    for k, v in record.items():
+                        if k != "step" and v is not None:
+                            writer.add_scalar(f"train/{k}", v, step + 1)
+            done = step + 1
+            if done % tc.save_every == 0 or done == tc.max_steps:
+                last_good = _save(engine, kind, draft, recipe, done, rank, meta, heldout, parts, writer, record)
+            if stop_after is not None and done >= stop_after:
+                break
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    return history
+
+
+def _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, device, std, last_good) -> dict:
+    tc = recipe.train
+    lr = engine.get_lr()[0]
+    sums, tokens = None, 0
+    micro_batches = step_micro_batches(len(data), step, tc.micro_batch_size, tc.gradient_accumulation_steps,
+                                       world, rank, tc.seed)
+    grad_norm = None
+    for m, indices in enumerate(micro_batches):
+        batch = to_device(collate([data[i] for i in indices]), device)
+        k = m * world + rank  # the micro batch's index in the global batch: same noise for any world size
+        g = torch.Generator().manual_seed((tc.seed * 100_003 + step) * 65_536 + k)
+        pred = drafts.predict(kind, engine, batch, parts, recipe.loss.feature_noise, std, g)
+        loss, components = drafts.training_loss(kind, pred, recipe.loss)
+        values = all_mean(torch.stack([loss.detach(), *components.values()]), world)
+        if not torch.isfinite(values).all():
+            where = f"last good checkpoint: {last_good.name}" if last_good else "no checkpoint was written"
+            raise SpecdistillError(f"train: loss became {values[0].item()} at step {step + 1} "
+                                   f"(micro batch {m}); stopping, {where}")
+        sums = values if sums is None else sums + values
+        tokens += int(batch["attention_mask"].sum())
+        engine.backward(loss)
+        if m == len(micro_batches) - 1:
+            grad_norm = _grad_norm(engine)
+        engine.step()
+    sums = sums / len(micro_batches)
+    record = {"step": step + 1, "loss": sums[0].item(), "lr": lr, "grad_norm": grad_norm,
+              "tokens": all_sum(tokens, world)}
+    record.update({k: v.item() for k, v in zip(components, sums[1:])})
+    return record
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None and engine.zero_optimization_stage() == 0:  # plain DP: grads are whole on each rank
+        grads = [p.grad.float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm().item() if grads else 0.0
+    return None if norm is None else float(norm)
+
+
+def _fingerprint(recipe) -> dict | None:
+    from specdistill.target import fingerprint_target
+
+    try:
+        return fingerprint_target(recipe.target)
+    except Exception as e:  # a hub target without network: the checkpoint still records the path
+        return {"error": str(e).splitlines()[0][:200]}
+
+
+def _save(engine, kind, draft, recipe, step, rank, meta, heldout, parts, writer, record) -> Path:
+    engine.eval()
+    metrics = {"step": step, "train_loss": record["loss"]}
+    metrics["heldout"] = offline_metrics(kind, engine, heldout, parts) if heldout else {"note": "no heldout split"}
+    engine.train()
+    own = _gathered_own_state(engine, kind, draft)
+    config = {**meta, "config": drafts.draft_config_dict(kind, draft), "step": step}
+    if writer is not None:
+        for k, v in metrics["heldout"].items():
+            if isinstance(v, (int, float)) and k not in ("temperature",):
+                writer.add_scalar(f"heldout/{k}", v, step)
+        writer.flush()
+    return checkpoint.save_checkpoint(recipe.run_dir, step, engine, own, config, metrics, rank)
+
+
+def _gathered_own_state(engine, kind, draft) -> dict:
+    if engine.zero_optimization_stage() == 3:  # parameters are partitioned: gather them to save
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
+            return drafts.own_state_dict(kind, draft)
+    return drafts.own_state_dict(kind, draft)
+
+
+def main(argv=None) -> int:
+    from specdistill.recipe import load_recipe
+
+    parser = argparse.ArgumentParser(description="one training process (started by the DeepSpeed launcher)")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # set by the launcher (also in LOCAL_RANK)
+    parser.add_argument("--stop_after", type=int, default=None)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        train(load_recipe(args.recipe, args.overrides), stop_after=args.stop_after)
+    except SpecdistillError as e:
+        print(f"specdistill train: error: {e}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
