@@ -346,6 +346,8 @@ def plot_time_split(evals, many_runs, path, footer) -> Path:
 def write_tensorboard(run_dir: Path, evals: list[dict]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
+    for old in layout.tb_dir(run_dir).glob("events.out.tfevents.*.report"):
+        old.unlink()  # our own previous report's scalars: a rerun replaces them instead of doubling them
     writer = SummaryWriter(str(layout.tb_dir(run_dir)), filename_suffix=".report")
     for e in evals:
         step = int(e["step"])

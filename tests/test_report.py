@@ -95,6 +95,26 @@ def test_tensorboard_scalars(recipe):
     acc.Reload()
     assert [(s.step, round(s.value, 3)) for s in acc.Scalars("eval/T0/tau")] == [(200, 2.1), (400, 2.24)]
     assert "eval/offline_heldout/fkl" in acc.Tags()["scalars"]
+    report.run(recipe, argparse.Namespace(runs=None))  # a rerun replaces, not doubles, the scalars
+    acc = EventAccumulator(str(layout.tb_dir(run_dir)))
+    acc.Reload()
+    assert len(acc.Scalars("eval/T0/tau")) == 2
+
+
+def test_cli(recipe, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31)])
+    env = dict(os.environ, SPECDISTILL_CHECKPOINTS=str(recipe.run_dir.parent))
+    cmd = [sys.executable, "-m", "specdistill.cli", "report", "--recipe", recipe.source]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "best checkpoint: runA/step-0000200" in done.stdout
+    done = subprocess.run(cmd + ["--runs", "runA", "nope"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().endswith("--runs nope: no run directory "
+                                                                 f"{recipe.run_dir.parent / 'nope'}")
 
 
 def test_compare_runs(recipe, capsys):
