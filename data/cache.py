@@ -1,0 +1,355 @@
+"""`specdistill cache`: run the target once over the prepared corpus and store what training needs.
+
+Layout (docs/DESIGN.md): cache/manifest.json + cache/<split>/shard-NNNNN.safetensors, each shard a
+run of whole sequences on a flat token axis. Shard boundaries depend only on the corpus order and
+`cache.shard_tokens`; batches (sorted by length, up to `cache.batch_tokens` padded tokens) are made
+inside a shard, so a resumed run computes exactly the batches an uninterrupted one would and the
+shards come out byte-identical. A shard is written under a temp name and renamed; the manifest is
+rewritten (atomically) after each one, so a crash at any instant loses at most the shard in flight.
+
+The target runs through its decoder only; the LM head is applied to the real (unpadded) tokens and
+only when top-k is stored, so a hidden-state cache costs less than a plain forward with logits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdistill.data.prepare import SPLITS, load_prepared
+from specdistill.errors import SpecdistillError
+from specdistill.layout import cache_dir, corpus_dir
+
+DEFAULT_STORE = {"eagle": ["hidden_last"], "eagle3": ["hidden_aux", "hidden_last"], "draft_lm": ["topk"]}
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
+MANIFEST_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------- settings
+
+def resolve_store(recipe) -> list[str]:
+    store = recipe.cache.store if recipe.cache.store is not None else DEFAULT_STORE[recipe.draft.kind]
+    if not store:
+        raise SpecdistillError(f"recipe {recipe.source}: cache.store is empty; store at least one of "
+                               f"hidden_last, hidden_aux, topk")
+    return sorted(set(store))
+
+
+def resolve_aux_layers(recipe, num_hidden_layers: int) -> list[int]:
+    n = num_hidden_layers
+    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else [2, n // 2, n - 3]
+    layers = [min(max(l, 0), n) for l in layers] if recipe.cache.aux_layers is None else layers
+    bad = [l for l in layers if not 0 <= l <= n]
+    if bad:
+        raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "
+                               f"indices run 0..{n} for a target with {n} layers")
+    return list(layers)
+
+
+def bytes_per_token(store: list[str], hidden: int, num_aux: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+    size = torch.finfo(dtype).bits // 8
+    out = {"input_ids+loss_mask": 5}
+    if "hidden_last" in store:
+        out["hidden_last"] = hidden * size
+    if "hidden_aux" in store:
+        out["hidden_aux"] = num_aux * hidden * size
+    if "topk" in store:
+        out["topk"] = k * 8 + 4  # float32 log-probs, int32 ids, float32 tail mass
+    return out
+
+
+# ---------------------------------------------------------------------------------------- planning
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[range]:
+    """Contiguous runs of whole sequences, each closed once it holds >= shard_tokens tokens."""
+    shards, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        total += n
+        if total >= shard_tokens:
+            shards.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(lengths):
+        shards.append(range(start, len(lengths)))
+    return shards
+
+
+def plan_batches(indices, lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Sort by length (longest first) and fill each batch up to batch_tokens padded tokens."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and (len(current) + 1) * longest > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+# ---------------------------------------------------------------------------------------- compute
+
+def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def topk_of(model, hidden: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Top-k log-probs at T=1 (descending), their ids and the probability mass left outside them."""
+    values, ids = [], []
+    for a in range(0, hidden.shape[0], LOGIT_CHUNK):
+        logprobs = torch.log_softmax(lm_head_logits(model, hidden[a:a + LOGIT_CHUNK]), dim=-1)
+        v, i = logprobs.topk(k, dim=-1)
+        values.append(v)
+        ids.append(i)
+    values, ids = torch.cat(values), torch.cat(ids)
+    tail = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
+    return {"topk_logprobs": values.float(), "topk_ids": ids.to(torch.int32), "tail_mass": tail.float()}
+
+
+@torch.inference_mode()
+def target_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, store: list[str],
+                   aux_layers: list[int], k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One padded batch -> the stored kinds for its real tokens, concatenated row by row ([N, ...])."""
+    need_aux = "hidden_aux" in store
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                              output_hidden_states=need_aux, use_cache=False)
+    valid = attention_mask.bool()
+    last = out.last_hidden_state[valid]
+    result = {}
+    if "hidden_last" in store:
+        result["hidden_last"] = last.to(dtype)
+    if need_aux:
+        result["hidden_aux"] = torch.stack([out.hidden_states[l][valid] for l in aux_layers], dim=1).to(dtype)
+    if "topk" in store:
+        result.update(topk_of(model, last, k))
+    return result
+
+
+def pad_batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding with token 0 (masked out, so its value does not matter)."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = torch.tensor(s)
+        mask[r, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def compute_shard(model, split_ds, indices: range, lengths: list[int], settings: dict, bar=None) -> dict:
+    """The shard's tensors (DESIGN.md table), sequences in corpus order."""
+    device = next(model.parameters()).device
+    rows = split_ds.select(indices)
+    input_ids = [list(x) for x in rows["input_ids"]]
+    loss_masks = [list(x) for x in rows["loss_mask"]]
+    pieces: dict[int, dict] = {}
+    local_lengths = [lengths[i] for i in indices]
+    for batch in plan_batches(range(len(indices)), local_lengths, settings["batch_tokens"]):
+        ids, mask = pad_batch([input_ids[i] for i in batch], device)
+        out = target_outputs(model, ids, mask, settings["store"], settings["aux_layers"], settings["topk"],
+                             CACHE_DTYPES[settings["dtype"]])
+        sizes = [local_lengths[i] for i in batch]
+        for name, tensor in out.items():
+            for i, part in zip(batch, tensor.cpu().split(sizes)):
+                pieces.setdefault(i, {})[name] = part
+        if bar is not None:
+            bar.update(sum(sizes))
+    order = range(len(indices))
+    tensors = {
+        "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for i in order for m in loss_masks[i]], dtype=torch.uint8),
+        "seq_lens": torch.tensor(local_lengths, dtype=torch.int64),
+    }
+    for name in pieces[0]:
+        tensors[name] = torch.cat([pieces[i][name] for i in order]).contiguous()
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------- files
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def write_shard(path: Path, tensors: dict) -> dict:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
+            "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------- manifest
+
+def check_fingerprints(old: dict, new: dict, cache_path: Path) -> None:
+    """A cache made from anything else is never reused: name the part that differs."""
+    labels = {"target": "target", "tokenizer": "tokenizer", "corpus": "prepared corpus", "cache": "cache settings"}
+    for key, label in labels.items():
+        if old.get(key) != new.get(key):
+            if key == "cache":
+                diff = sorted(k for k in set(old[key] or {}) | set(new[key]) if (old[key] or {}).get(k) != new[key].get(k))
+                detail = f"keys {', '.join('cache.' + k for k in diff)}"
+            else:
+                detail = f"was {old.get(key)}, now {new.get(key)}"
+            raise SpecdistillError(f"{cache_path}: this cache was made with a different {label} ({detail}); "
+                                   f"delete {cache_path} to rebuild it, or use another run_name")
+
+
+def check_disk(path: Path, tokens: int, per_token: dict[str, int]) -> int:
+    need = tokens * sum(per_token.values())
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise SpecdistillError(f"{path}: the cache needs about {need / 2**30:.2f} GiB but only "
+                               f"{free / 2**30:.2f} GiB is free; free space, store fewer kinds (cache.store), "
+                               f"or lower corpus.max_rows")
+    return need
+
+
+def load_manifest(path: Path) -> dict | None:
+    file = path / "manifest.json"
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def completed_shards(manifest: dict, split: str, cache_path: Path) -> list[dict]:
+    """The manifest's finished shards of a split whose files are still there, whole."""
+    kept = []
+    for shard in manifest["splits"][split]["shards"]:
+        f = cache_path / split / shard["file"]
+        if not f.exists() or f.stat().st_size != shard["bytes"]:
+            break
+        kept.append(shard)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------- the stage
+
+def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokenizer=None) -> dict:
+    """Cache the target's outputs for the prepared corpus at corpus_path into cache_path (resumable)."""
+    from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_target_config, load_tokenizer
+
+    t0 = time.time()
+    corpus_path, cache_path = Path(corpus_path), Path(cache_path)
+    dd, corpus_summary = load_prepared(corpus_path)
+    lengths = {s: [len(x) for x in dd[s]["input_ids"]] for s in SPLITS}
+    total_tokens = sum(sum(v) for v in lengths.values())
+    if total_tokens == 0:
+        raise SpecdistillError(f"{corpus_path}: the prepared corpus is empty; nothing to cache")
+    if corpus_summary["splits"]["train"]["assistant_tokens"] == 0:
+        raise SpecdistillError(f"{corpus_path}: no trained tokens in the train split (every loss_mask is 0); "
+                               f"check the corpus format and column mapping")
+    tokenizer = tokenizer or load_tokenizer(recipe.target)
+    cfg = model.config if model is not None else load_target_config(recipe.target)
+    store = resolve_store(recipe)
+    aux_layers = resolve_aux_layers(recipe, cfg.num_hidden_layers) if "hidden_aux" in store else []
+    settings = {"store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype, "topk": recipe.cache.topk,
+                "batch_tokens": recipe.cache.batch_tokens}
+    fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": fingerprint_tokenizer(tokenizer),
+                    "corpus": corpus_summary["fingerprint"], "cache": recipe.cache.model_dump(mode="json")}
+    per_token = bytes_per_token(store, cfg.hidden_size, len(aux_layers), recipe.cache.topk,
+                                CACHE_DTYPES[recipe.cache.dtype])
+    plans = {s: plan_shards(lengths[s], recipe.cache.shard_tokens) for s in SPLITS}
+
+    manifest = load_manifest(cache_path)
+    if manifest is not None:
+        check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
+        if manifest.get("complete"):
+            print(f"cache {cache_path} is complete and matches the recipe; nothing to do")
+            return manifest
+        for s in SPLITS:
+            manifest["splits"][s]["shards"] = completed_shards(manifest, s, cache_path)
+    else:
+        manifest = {
+            "version": MANIFEST_VERSION, "fingerprints": fingerprints, "target_path": recipe.target.path,
+            "corpus_path": str(corpus_path), "store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype,
+            "k": recipe.cache.topk if "topk" in store else None, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "bytes_per_token": per_token, "complete": False,
+            "splits": {s: {"sequences": len(lengths[s]), "tokens": sum(lengths[s]), "planned_shards": len(plans[s]),
+                           "shards": []} for s in SPLITS},
+        }
+    model = model if model is not None else load_model(recipe)
+    done_tokens = sum(sh["tokens"] for s in SPLITS for sh in manifest["splits"][s]["shards"])
+    cache_path.mkdir(parents=True, exist_ok=True)
+    check_disk(cache_path, total_tokens - done_tokens, per_token)
+    write_json_atomic(cache_path / "manifest.json", manifest)
+
+    if done_tokens:
+        print(f"resuming {cache_path}: {done_tokens:,} of {total_tokens:,} tokens already cached", flush=True)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="caching",
+               mininterval=1.0, smoothing=0.1)
+    computed_tokens, compute_t0 = 0, time.time()
+    for s in SPLITS:
+        (cache_path / s).mkdir(exist_ok=True)
+        shards = manifest["splits"][s]["shards"]
+        for i in range(len(shards), len(plans[s])):
+            tensors = compute_shard(model, dd[s], plans[s][i], lengths[s], settings, bar)
+            shards.append(write_shard(cache_path / s / shard_name(i), tensors))
+            computed_tokens += shards[-1]["tokens"]
+            write_json_atomic(cache_path / "manifest.json", manifest)
+    bar.close()
+    manifest["complete"] = True
+    write_json_atomic(cache_path / "manifest.json", manifest)
+    seconds = time.time() - t0
+    compute_seconds = time.time() - compute_t0
+    manifest["_run"] = {"tokens": total_tokens, "computed_tokens": computed_tokens, "seconds": round(seconds, 2),
+                        "tokens_per_s": round(computed_tokens / max(compute_seconds, 1e-9), 1)}
+    return manifest
+
+
+def print_summary(manifest: dict, cache_path: Path) -> None:
+    run = manifest.get("_run", {})
+    total = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
+    print(f"cached {cache_path}: {total:,} tokens "
+          + ", ".join(f"{s} {manifest['splits'][s]['sequences']:,} seqs in {len(manifest['splits'][s]['shards'])} shards"
+                      for s in SPLITS))
+    per = manifest["bytes_per_token"]
+    print("  bytes per token: " + ", ".join(f"{k} {v:,}" for k, v in per.items())
+          + f" (total {sum(per.values()):,}, {total * sum(per.values()) / 2**20:.1f} MiB)")
+    if run:
+        print(f"  {run['seconds']} s, {run['tokens_per_s']:,} tokens/s over {run['computed_tokens']:,} computed tokens")
+
+
+def load_model(recipe):
+    from specdistill.target import load_target
+
+    return load_target(recipe.target, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(recipe, args=None) -> dict:
+    from specdistill.data.regenerate import regenerated_corpus
+
+    source = corpus_dir(recipe.run_dir)
+    target_dir = cache_dir(recipe.run_dir)
+    model = None
+    if recipe.cache.regenerate:
+        model = load_model(recipe)
+        source = regenerated_corpus(recipe, source, source.with_name("corpus-regenerated"), model)
+    manifest = build_cache(recipe, source, target_dir, model=model)
+    print_summary(manifest, target_dir)
+    return manifest

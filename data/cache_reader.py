@@ -1,0 +1,96 @@
+"""Read a cache written by `specdistill cache`: one sequence per item, sliced lazily from the shards.
+
+Shards are opened with safetensors' `safe_open` (memory-mapped) and only the rows of the requested
+sequence are read, so a cache larger than RAM trains fine. Handles are opened on first use in each
+process, which keeps the dataset safe to pass to DataLoader workers.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from specdistill.errors import SpecdistillError
+
+PER_TOKEN = ("input_ids", "loss_mask", "hidden_last", "hidden_aux", "topk_logprobs", "topk_ids", "tail_mass")
+AS_LONG = ("input_ids", "loss_mask", "topk_ids")  # integer tensors come back as int64, ready for indexing
+
+
+class CacheDataset(Dataset):
+    def __init__(self, cache_dir, split: str = "train"):
+        self.cache_dir = Path(cache_dir)
+        file = self.cache_dir / "manifest.json"
+        if not file.exists():
+            raise SpecdistillError(f"{self.cache_dir}: no cache manifest; run `specdistill cache --recipe ...` first")
+        self.manifest = json.loads(file.read_text())
+        if not self.manifest.get("complete"):
+            raise SpecdistillError(f"{self.cache_dir}: the cache is incomplete (interrupted?); rerun "
+                                   f"`specdistill cache` to finish it")
+        if split not in self.manifest["splits"]:
+            raise SpecdistillError(f"{self.cache_dir}: no split '{split}'; have {sorted(self.manifest['splits'])}")
+        self.split = split
+        self.files = [self.cache_dir / split / s["file"] for s in self.manifest["splits"][split]["shards"]]
+        self.kinds = [k for k in PER_TOKEN if k in self._open(0).keys()] if self.files else []
+        self.lengths: list[int] = []  # tokens per sequence, over all shards
+        self._locate = []  # per sequence: (shard, first token)
+        self._first_seq = []  # index of each shard's first sequence
+        for s, f in enumerate(self.files):
+            self._first_seq.append(len(self.lengths))
+            lens = self._open(s).get_tensor("seq_lens").tolist()
+            starts = [0]
+            for n in lens[:-1]:
+                starts.append(starts[-1] + n)
+            self._locate.extend((s, a) for a in starts)
+            self.lengths.extend(lens)
+
+    def _open(self, s: int):
+        handles = self.__dict__.setdefault("_handles", {})
+        if s not in handles:
+            from safetensors import safe_open
+
+            handles[s] = safe_open(str(self.files[s]), framework="pt")
+        return handles[s]
+
+    def __getstate__(self):  # handles stay in their process; workers reopen
+        state = dict(self.__dict__)
+        state.pop("_handles", None)
+        return state
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        s, a = self._locate[i]
+        b = a + self.lengths[i]
+        f = self._open(s)
+        item = {}
+        for k in self.kinds:
+            t = f.get_slice(k)[a:b]
+            item[k] = t.long() if k in AS_LONG else t
+        return item
+
+    def shard_of(self, i: int) -> int:
+        return bisect.bisect_right(self._first_seq, i) - 1
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    """Pad every per-token tensor with 0 to the longest sequence; attention_mask marks real tokens."""
+    longest = max(x["input_ids"].shape[0] for x in items)
+    out = {}
+    for k in items[0]:
+        first = items[0][k]
+        padded = first.new_zeros((len(items), longest) + tuple(first.shape[1:]))
+        for r, x in enumerate(items):
+            padded[r, :x[k].shape[0]] = x[k]
+        out[k] = padded
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for r, x in enumerate(items):
+        mask[r, :x["input_ids"].shape[0]] = 1
+    out["attention_mask"] = mask
+    return out
