@@ -1,0 +1,68 @@
+import torch
+from transformers import DynamicCache
+
+from specdistill.train.eagle3 import (Eagle3Head, default_aux_layers, draft_vocab_from_counts, ttt_forward,
+                                      vocab_maps)
+from tests.conftest import tiny_model
+
+
+def make_head(vocab=300, draft_vocab=64, seed=0):
+    target = tiny_model("llama", vocab_size=vocab, layers=4, seed=seed)
+    torch.manual_seed(seed + 1)
+    head = Eagle3Head(target.config, draft_vocab, default_aux_layers(4)).bind_target(target.get_input_embeddings())
+    counts = torch.randint(0, 1000, (vocab,))
+    head.set_draft_vocab(draft_vocab_from_counts(counts, draft_vocab))
+    return target, head.eval()
+
+
+def test_vocab_maps_follow_the_d2t_t2d_conventions():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    ids = draft_vocab_from_counts(counts, 4)
+    assert ids.tolist() == [0, 2, 3, 5]  # the four most frequent, ascending
+    d2t, t2d = vocab_maps(ids, 8)
+    assert (torch.arange(4) + d2t).tolist() == ids.tolist()
+    assert t2d.nonzero().flatten().tolist() == ids.tolist()
+
+
+def test_weight_names_are_vllms():
+    _, head = make_head()
+    names = set(head.own_state_dict())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight",
+            "layers.0.input_layernorm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert not any("embed" in n or "rotary" in n for n in names)
+    sd = head.own_state_dict()
+    assert sd["fc.weight"].shape == (64, 3 * 64) and sd["layers.0.self_attn.q_proj.weight"].shape[1] == 128
+    assert sd["lm_head.weight"].shape == (64, 64)
+
+
+@torch.no_grad()
+def test_training_time_test_matches_drafting_with_a_cache():
+    """Step s of the unrolled training forward equals what the head computes when it drafts s tokens
+    ahead from position t with its KV cache, as the engine runs it (real prefix, then its own states)."""
+    target, head = make_head()
+    T, steps = 12, 3
+    ids = torch.randint(0, 300, (1, T))
+    hs = target(ids, output_hidden_states=True).hidden_states
+    aux = Eagle3Head.target_features(hs, head.aux_layers)
+    unrolled = ttt_forward(head, ids, aux, torch.ones(1, T, dtype=torch.long), steps)
+    for t in [0, 4, 7]:
+        cache = DynamicCache(config=head.config)
+        pos = torch.arange(t + 1)[None]
+        state = head(ids[:, 1:t + 2], head.project(aux[:, :t + 1]), pos, past_key_values=cache)[:, -1:]
+        torch.testing.assert_close(head.logits(state)[0, 0], unrolled[0][0, t], atol=1e-4, rtol=1e-4)
+        for s in range(1, steps):
+            state = head(ids[:, t + 1 + s:t + 2 + s], state, torch.tensor([[t + s]]), past_key_values=cache)
+            torch.testing.assert_close(head.logits(state)[0, 0], unrolled[s][0, t], atol=1e-4, rtol=1e-4)
+
+
+def test_padding_does_not_change_real_positions():
+    target, head = make_head()
+    ids = torch.randint(0, 300, (1, 10))
+    padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], 1).long()
+    with torch.no_grad():
+        aux = Eagle3Head.target_features(target(padded, output_hidden_states=True).hidden_states, head.aux_layers)
+        a = ttt_forward(head, ids, aux[:, :10], torch.ones(1, 10, dtype=torch.long), 2)
+        b = ttt_forward(head, padded, aux, mask, 2)
+    for s in range(2):
+        torch.testing.assert_close(a[s][0, :8 - s], b[s][0, :8 - s], atol=1e-4, rtol=1e-4)
