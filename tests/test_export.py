@@ -350,3 +350,158 @@ def test_vllm_eagle_for_the_real_default_target(tmp_path, monkeypatch):
     before, after = reload_checkpoint_head(step_dir, target), export.load_vllm_eagle(out, target)
     assert greedy_chain(before, target, ids, 4) == greedy_chain(after, target, ids, 4)
     assert "vllm serve " in (out / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------ vllm-eagle3, speculators
+# Written from vLLM 0.33 llama_eagle3.py (Eagle3LlamaForCausalLM): layer 0's q/k/v read cat(embeds, hidden)
+# = 2H wide, fc reads A=3 aux target states, own final norm and lm_head [Vd, H], d2t only when Vd < V.
+# No trained EAGLE-3 head exists yet (issue 6): the checkpoint is data shaped by this table.
+VD, AUX = 512, [0, 1, 2]
+EAGLE3_TENSORS = {
+    "fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (VD, H),
+    "layers.0.self_attn.q_proj.weight": (NH * D, 2 * H), "layers.0.self_attn.k_proj.weight": (NKV * D, 2 * H),
+    "layers.0.self_attn.v_proj.weight": (NKV * D, 2 * H), "layers.0.self_attn.o_proj.weight": (H, NH * D),
+    "layers.0.mlp.gate_proj.weight": (I, H), "layers.0.mlp.up_proj.weight": (I, H),
+    "layers.0.mlp.down_proj.weight": (H, I), "layers.0.input_layernorm.weight": (H,),
+    "layers.0.hidden_norm.weight": (H,), "layers.0.post_attention_layernorm.weight": (H,),
+}
+VLLM_EAGLE3_PARAMS = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
+                      "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                      "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                      "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight",
+                      "model.layers.0.post_attention_layernorm.weight", "model.embed_tokens.weight"}
+
+
+def vllm_eagle3_param_name(name: str):
+    """Eagle3LlamaForCausalLM.load_weights: t2d skipped, d2t renamed, 'model.' prepended, stacked q/k/v."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return "draft_id_to_target_id"
+    return vllm_param_name(name.replace("midlayer.", "layers.0."))
+
+
+def make_eagle3_checkpoint(recipe, target_config, step=1, vd=VD, midlayer=True, edit=None):
+    torch.manual_seed(step)
+    config = json.loads(target_config.to_json_string())
+    config.update(num_hidden_layers=1, draft_vocab_size=vd, eagle_aux_hidden_state_layer_ids=AUX,
+                  norm_before_residual=False)
+    state = {name: torch.randn(shape) for name, shape in EAGLE3_TENSORS.items()}
+    state["lm_head.weight"] = torch.randn(vd, H)
+    ids = torch.sort(torch.randperm(V)[:vd]).values
+    if vd < V:
+        state["d2t"] = ids - torch.arange(vd)
+        state["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+    if midlayer:  # EAGLE/SpecForge naming; vLLM rewrites it to layers.0.
+        state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
+    if edit:
+        edit(state, config)
+    return finish_checkpoint(recipe, step, "eagle3", config, state), state, ids
+
+
+def test_vllm_eagle3_matches_vllm_loader_table(setup):
+    recipe, target = setup
+    step_dir, state, ids = make_eagle3_checkpoint(recipe, target.config)
+    export.run(recipe, args())  # default format for kind eagle3
+    out = layout.export_dir(recipe.run_dir, "vllm-eagle3")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    assert set(tensors) == set(EAGLE3_TENSORS) | {"d2t", "t2d"}
+    for name, shape in EAGLE3_TENSORS.items():
+        assert tuple(tensors[name].shape) == shape and tensors[name].dtype == torch.float32, name
+        assert torch.equal(tensors[name], state[name.replace("layers.0.", "midlayer.")]), name
+    assert tensors["d2t"].dtype == torch.int64 and tuple(tensors["d2t"].shape) == (VD,)
+    assert torch.equal(tensors["d2t"] + torch.arange(VD), ids)
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), ids)
+    loaded = {vllm_eagle3_param_name(n) for n in tensors} - {None}
+    assert loaded <= VLLM_EAGLE3_PARAMS and VLLM_EAGLE3_PARAMS - loaded == {"model.embed_tokens.weight"}
+
+    config = json.loads((out / "config.json").read_text())
+    expected = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                "hidden_size": H, "vocab_size": V, "draft_vocab_size": VD, "target_hidden_size": H,
+                "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": AUX,
+                "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": AUX},
+                "tie_word_embeddings": False, "torch_dtype": "float32"}
+    for key, value in expected.items():
+        assert config[key] == value, key
+    assert "bias" not in config  # vLLM's Llama layer reads `bias` as attention bias
+    from transformers import AutoConfig
+
+    parsed = AutoConfig.from_pretrained(out)
+    assert parsed.model_type == "llama" and parsed.draft_vocab_size == VD
+    readme = (out / "README.md").read_text()
+    assert '"method": "eagle3"' in readme
+
+
+def test_eagle3_full_vocab_drops_d2t(setup):
+    recipe, target = setup
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config, vd=V, midlayer=False)
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle3")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_slice("lm_head.weight").get_shape()) == (V, H)
+    assert names == set(EAGLE3_TENSORS)  # vLLM 0.33 has no draft_id_to_target_id when Vd == V
+
+
+def test_speculators_config_as_vllm_reads_it(setup):
+    recipe, target = setup
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config)
+    out = export.export_checkpoint(recipe, step_dir, "speculators")
+    config = json.loads((out / "config.json").read_text())
+    assert "model_type" not in config  # vLLM: no model_type + speculators_config -> SpeculatorsConfig
+    # SpeculatorsConfig.validate_speculators_config
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == recipe.target.path
+    assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert config["speculators_model_type"] == "eagle3" and isinstance(config["transformer_layer_config"], dict)
+    # algos.update_eagle3: these keys are copied (norm_before_residual defaults to True when missing)
+    assert {k: config[k] for k in ("draft_vocab_size", "target_hidden_size", "norm_before_residual",
+                                   "norm_before_fc", "fc_norm", "norm_output", "eagle_aux_hidden_state_layer_ids")} \
+        == {"draft_vocab_size": VD, "target_hidden_size": H, "norm_before_residual": False, "norm_before_fc": False,
+            "fc_norm": False, "norm_output": False, "eagle_aux_hidden_state_layer_ids": AUX}
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["vocab_size"], layer["hidden_size"], layer["num_hidden_layers"]) == \
+        ("llama", V, H, 1)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(EAGLE3_TENSORS) | {"d2t", "t2d"}
+
+
+def test_eagle3_errors(setup):
+    recipe, target = setup
+
+    def unsorted_d2t(state, config):
+        state["d2t"] = state["d2t"].flip(0)
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config, step=1, edit=unsorted_d2t)
+    with pytest.raises(SpecdistillError, match="d2t does not map"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle3")
+
+    def two_aux(state, config):
+        config["eagle_aux_hidden_state_layer_ids"] = [1, 2]
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config, step=2, edit=two_aux)
+    with pytest.raises(SpecdistillError, match=r"fc.weight has shape \[64, 192\].*\[64, 128\]"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle3")
+
+    def wide(state, config):
+        config["target_hidden_size"] = 128
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config, step=3, edit=wide)
+    with pytest.raises(SpecdistillError, match="width 128.*hidden_size is 64"):
+        export.export_checkpoint(recipe, step_dir, "speculators")
+    with pytest.raises(SpecdistillError, match="'eagle3' draft.*--format vllm-eagle3"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    with pytest.raises(SpecdistillError, match="'eagle3' draft.*--format vllm-eagle3"):
+        export.export_checkpoint(recipe, step_dir, "hf")
+
+
+def test_non_llama_target_stops_for_vllm_heads(tmp_path, monkeypatch, smollm_tokenizer):
+    from tests.conftest import tiny_model
+
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    tiny_model("qwen2", vocab_size=V).save_pretrained(tmp_path / "qwen")
+    recipe_file = tmp_path / "q.yaml"
+    recipe_file.write_text(f"target: {{path: {tmp_path / 'qwen'}}}\ncorpus: {{path: x}}\ndraft: {{kind: eagle}}\n"
+                           "train: {max_steps: 1, save_every: 1}\n")
+    recipe = load_recipe(recipe_file)
+    target = load_target(recipe.target)
+    step_dir = make_eagle_checkpoint(recipe, target.config)
+    with pytest.raises(SpecdistillError, match="Llama-architecture targets only; this target is 'qwen2'"):
+        export.export_checkpoint(recipe, step_dir, "vllm-eagle")

@@ -13,7 +13,11 @@ Formats (see ../shared/docs/vllm-formats.md; names and shapes checked against vL
                no fc.bias, norm, lm_head or embed_tokens (vLLM shares the target's).
   hf           a draft_lm checkpoint as an ordinary HF model dir + the target's tokenizer
                (`"method": "draft_model"`, same vocab size as the target).
-  vllm-eagle3, speculators   EAGLE-3 heads: not yet (they arrive with issue 6).
+  vllm-eagle3  EAGLE-3 head -> vLLM `Eagle3LlamaForCausalLM` (`"method": "eagle3"`), plain layout.
+  speculators  the same tensors with a speculators-format config.json (speculators_config, verifier).
+               Both are written from the contract in `write_eagle3` (vLLM's own tensor names); the
+               EAGLE-3 head itself arrives with issue 6, so they are checked against vLLM's loader
+               tables only, not yet round-tripped through a trained head.
 
 The export directory name ("vllm-eagle") does not contain "eagle-", so vLLM cannot guess the method
 from the path: the README's serve command always passes "method".
@@ -91,12 +95,9 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
         raise SpecdistillError(f"--format {fmt!r}: expected one of {', '.join(FORMAT_KIND)}")
     draft_cfg = read_draft_config(step_dir)
     kind = draft_cfg["kind"]
-    if FORMAT_KIND[fmt] == "eagle3" or kind == "eagle3":
-        if kind != "eagle3":
-            raise SpecdistillError(f"{step_dir}: format {fmt} is for EAGLE-3 heads, this checkpoint is a "
-                                   f"'{kind}' draft (use {DEFAULT_FORMAT[kind]}); EAGLE-3 heads arrive with issue 6")
-        raise SpecdistillError(f"{step_dir}: exporting EAGLE-3 heads ({fmt}) is not implemented yet; "
-                               "EAGLE-3 heads arrive with issue 6")
+    if FORMAT_KIND[fmt] == "eagle3" and kind != "eagle3":
+        raise SpecdistillError(f"{step_dir}: format {fmt} is for EAGLE-3 heads, this checkpoint is a "
+                               f"'{kind}' draft (use --format {DEFAULT_FORMAT[kind]}); EAGLE-3 heads arrive with issue 6")
     if kind != FORMAT_KIND[fmt]:
         raise SpecdistillError(f"{step_dir}: format {fmt} exports '{FORMAT_KIND[fmt]}' drafts, this checkpoint "
                                f"is a '{kind}' draft (use --format {DEFAULT_FORMAT[kind]})")
@@ -110,6 +111,8 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
     try:
         if fmt == "vllm-eagle":
             write_vllm_eagle(step_dir, draft_cfg, target_config, tmp)
+        elif fmt in ("vllm-eagle3", "speculators"):
+            write_eagle3(step_dir, draft_cfg, recipe, target_config, fmt, tmp, speculative_tokens(recipe, step_dir))
         else:
             write_hf(step_dir, draft_cfg, recipe, target_config, tmp)
         write_readme(recipe, step_dir, draft_cfg, fmt, tmp, final_dir=out)
@@ -153,8 +156,8 @@ def check_same_target(recipe, step_dir: Path, draft_cfg: dict) -> None:
 def vllm_eagle_config(target_config, dtype: torch.dtype) -> dict:
     """config.json for vLLM's EAGLE-1 head: the target's Llama config cut to one layer."""
     if target_config.model_type != "llama":
-        raise SpecdistillError(f"format vllm-eagle: vLLM's EAGLE-1 head (EagleLlamaForCausalLM) implements Llama-"
-                               f"architecture targets only; this target is '{target_config.model_type}'")
+        raise SpecdistillError(f"export: the vLLM heads written here (EagleLlamaForCausalLM, Eagle3LlamaForCausalLM) "
+                               f"implement Llama-architecture targets only; this target is '{target_config.model_type}'")
     from transformers import PretrainedConfig
 
     cfg = target_config.to_dict()
@@ -185,7 +188,7 @@ def expected_eagle_shapes(target_config) -> dict[str, tuple[int, ...]]:
 def check_eagle_weights(path: Path, state: dict, expected: dict) -> None:
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
-        raise SpecdistillError(f"{path}: tensors do not match an EAGLE-1 head of this target: "
+        raise SpecdistillError(f"{path}: tensors do not match an EAGLE head of this target: "
                                f"missing {missing}, unexpected {extra}")
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
@@ -227,6 +230,138 @@ def load_vllm_eagle(export_dir: Path, target_model):
     head.load_own_state_dict(state)
     head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
     return head.eval()
+
+
+# ------------------------------------------------------------------------------ vllm-eagle3, speculators
+# Contract for an eagle3 checkpoint (vLLM 0.33 llama_eagle3.py names; `midlayer.` is read as `layers.0.`):
+#   draft_config.json config: the head's Llama config (num_hidden_layers 1, vocab_size = target V) plus
+#     draft_vocab_size Vd, eagle_aux_hidden_state_layer_ids (hidden_states indices = vLLM's convention,
+#     docs/DESIGN.md), norm_before_residual, optional target_hidden_size Ht.
+#   draft.safetensors: fc.weight [H, A*Ht]; layers.0.self_attn.{q,k,v}_proj.weight [*, 2H], o_proj,
+#     layers.0.mlp.*, layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H];
+#     norm.weight [H]; lm_head.weight [Vd, H]; d2t int64 [Vd] when Vd < V (target id = i + d2t[i]);
+#     t2d optional. No embed_tokens (vLLM shares the target's).
+SPECULATORS_VERSION = "0.9.0"
+
+
+def eagle3_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, i, nh, nkv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // nh
+    aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    ht = cfg.get("target_hidden_size") or h
+    vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    layer = "layers.0."
+    shapes = {"fc.weight": (h, aux * ht), "norm.weight": (h,), "lm_head.weight": (vd, h),
+              layer + "self_attn.q_proj.weight": (nh * d, 2 * h), layer + "self_attn.k_proj.weight": (nkv * d, 2 * h),
+              layer + "self_attn.v_proj.weight": (nkv * d, 2 * h), layer + "self_attn.o_proj.weight": (h, nh * d),
+              layer + "mlp.gate_proj.weight": (i, h), layer + "mlp.up_proj.weight": (i, h),
+              layer + "mlp.down_proj.weight": (h, i)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        shapes[layer + norm + ".weight"] = (h,)
+    if vd != cfg["vocab_size"]:
+        shapes["d2t"] = (vd,)
+    return shapes
+
+
+def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """d2t[i] = target id of draft token i minus i; the target ids must be sorted, distinct, in [0, V)."""
+    ids = torch.arange(len(d2t)) + d2t.long()
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab or not bool((ids[1:] > ids[:-1]).all())):
+        raise SpecdistillError(f"{path}: d2t does not map draft ids to sorted, distinct target ids in [0, {vocab})")
+    return ids
+
+
+def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under vLLM's names, checked against the target; d2t/t2d as vLLM wants them."""
+    weights = step_dir / "draft.safetensors"
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(weights).items()}
+    t2d = state.pop("t2d", None)  # vLLM ignores it; rebuilt from d2t below
+    vocab, vd = target_config.vocab_size, cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    if vd == vocab:
+        state.pop("d2t", None)  # vLLM 0.33 has no draft_id_to_target_id then: a d2t would fail to load
+    expected = eagle3_shapes(cfg)
+    check_eagle_weights(weights, state, expected)
+    if "d2t" not in state:
+        return state
+    state["d2t"] = state["d2t"].long()
+    ids = check_d2t(weights, state["d2t"], vocab)
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    if t2d is not None and not torch.equal(t2d.bool(), mask):
+        raise SpecdistillError(f"{weights}: t2d disagrees with d2t")
+    state["t2d"] = mask  # kept for SGLang / EAGLE readers
+    return state
+
+
+def eagle3_layer_config(cfg: dict, target_config, dtype: torch.dtype) -> dict:
+    """The head's Llama config as vLLM reads it: target's rope/eps, one layer, no tied head."""
+    base = vllm_eagle_config(target_config, dtype)  # same Llama-only rule and rope handling as EAGLE-1
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if cfg.get(key) is not None:
+            base[key] = cfg[key]
+    base.pop("bias", None)
+    return base
+
+
+def write_eagle3(step_dir: Path, draft_cfg: dict, recipe, target_config, fmt: str, out: Path, k: int) -> None:
+    cfg = draft_cfg["config"]
+    path = step_dir / "draft_config.json"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        if key not in cfg:
+            raise SpecdistillError(f"{path}: config has no {key}")
+    if cfg["vocab_size"] != target_config.vocab_size:
+        raise SpecdistillError(f"{path}: config.vocab_size = {cfg['vocab_size']} but the target has "
+                               f"{target_config.vocab_size}; this head was not trained for this target")
+    ht = cfg.get("target_hidden_size") or cfg["hidden_size"]
+    if ht != target_config.hidden_size:
+        raise SpecdistillError(f"{path}: the head reads target states of width {ht}, the target's hidden_size "
+                               f"is {target_config.hidden_size}")
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux and not all(0 <= a <= target_config.num_hidden_layers for a in aux):
+        raise SpecdistillError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} outside the target's "
+                               f"0..{target_config.num_hidden_layers}")
+    state = eagle3_tensors(step_dir, cfg, target_config)
+    dtype = state["fc.weight"].dtype
+    layer = eagle3_layer_config(cfg, target_config, dtype)
+    vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    head = dict(draft_vocab_size=vd, target_hidden_size=ht,
+                norm_before_residual=bool(cfg.get("norm_before_residual", False)))  # explicit: defaults differ
+    if fmt == "vllm-eagle3":
+        config = {**layer, **head}
+        if aux:  # top level for the runner, in eagle_config for the fc width (vLLM reads both places)
+            config["eagle_aux_hidden_state_layer_ids"] = list(aux)
+        config["eagle_config"] = {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": list(aux)} if aux else {})}
+    else:
+        config = speculators_config(recipe, target_config, layer, head, aux, dtype, k)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in sorted(state.items())}, out / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtype, k: int) -> dict:
+    """speculators' Eagle3SpeculatorConfig as saved: no top-level model_type, the layer config nested."""
+    from specdistill.target import resolve_target
+
+    layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "use_cache")}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        **head,
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": list(aux) if aux else None,
+        "embed_requires_grad": False,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": resolve_target(recipe.target),
+                         "architectures": list(target_config.architectures or [])},
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- hf
