@@ -135,7 +135,10 @@ def read_json(file: Path, stats: ReadStats, on_bad_row: str):
                 continue
             consumed_bytes += len(buf[pos:end_ws].encode())
             pos = end_ws
-            if buf.startswith("]", pos) or (eof and pos >= len(buf)):
+            if buf.startswith("]", pos):
+                return
+            if eof and pos >= len(buf):  # the array never closes: cut between records
+                stats.cut = {"file": str(file), "byte": consumed_bytes, "record": record + 1}
                 return
             record += 1
             while True:
