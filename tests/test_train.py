@@ -164,7 +164,7 @@ def test_resume_continues_the_same_schedule(tmp_path, tiny_target_dir, checkpoin
     launch.run(full)
     cut = make_recipe(tmp_path, tiny_target_dir, "cut", max_steps=4, save_every=2)
     write_cache(cut.run_dir, tiny_target_dir)
-    launch.run(cut, stop_after=2)  # "interrupted" after the first checkpoint
+    launch.run(cut, stop_after=3)  # "interrupted" one step past the first checkpoint
     assert [p.name for p in layout.checkpoints(cut.run_dir)] == ["step-0000002"]
     launch.run(cut)
     a, b = read_log(full.run_dir), read_log(cut.run_dir)

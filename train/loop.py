@@ -117,6 +117,17 @@ def _heldout_batches(cache, recipe, device) -> list[dict]:
     return [to_device(collate([held[i] for i in range(a, min(a + mb, n))]), device) for a in range(0, n, mb)]
 
 
+def _trim_log(run_dir: Path, keep_through: int) -> None:
+    """Drop log lines past the step we restart from (an interrupted run may have logged beyond its checkpoint)."""
+    path = run_dir / "train_log.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_through]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def _log_line(run_dir: Path, record: dict) -> None:
     with open(run_dir / "train_log.jsonl", "a") as fh:  # append-only; one line per step
         fh.write(json.dumps(record) + "\n")
@@ -157,6 +168,8 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     meta = {"kind": kind, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
             "loss": recipe.loss.model_dump(mode="json"), "feature_std": std if kind == "eagle" else None}
     heldout = _heldout_batches(cache, recipe, device)
+    if rank == 0:
+        _trim_log(run_dir, start)
     writer = SummaryWriter(str(layout.tb_dir(run_dir))) if rank == 0 else None
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {kind}", disable=rank != 0, mininterval=1.0)
     history, last_good = [], latest
