@@ -1,0 +1,300 @@
+"""`specdistill eval`: decode the eval prompts speculatively with each checkpoint; measure tau, alpha, speedup.
+
+Per checkpoint and temperature, every prompt is decoded by plain AR (our baseline, same engine), then
+speculatively at K = eval.k and each extra K of eval.k_sweep, then (T=0 only) by the transformers
+comparators: interleaved per prompt so machine noise hits all of them alike. Writes
+checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_checkpoint`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.eval import comparators
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_draft, merge_counts
+
+OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
+T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
+                    "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> dict:
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
+
+
+def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
+    """'all', 'last', or one checkpoint named step-N / step-000000N / N."""
+    found = layout.checkpoints(run_dir)
+    if not found:
+        raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
+    if which in (None, "all"):
+        return found
+    if which == "last":
+        return found[-1:]
+    try:
+        step = int(which.removeprefix("step-"))
+    except ValueError:
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all' or 'last'") from None
+    for p in found:
+        if int(layout.STEP_DIR.match(p.name).group(1)) == step:
+            return [p]
+    raise SpecdistillError(f"--checkpoint {which}: no complete checkpoint {layout.step_dir(run_dir, step)}; "
+                           f"have: {', '.join(p.name for p in found)}")
+
+
+def heldout_metrics(step_dir: Path) -> dict | None:
+    """The offline metrics training wrote for this checkpoint (metrics.json -> heldout)."""
+    path = step_dir / "metrics.json"
+    if not path.is_file():
+        return None
+    metrics = json.loads(path.read_text())
+    held = metrics.get("heldout", metrics)
+    if not isinstance(held, dict) or not any(k in held for k in OFFLINE_KEYS):
+        return None
+    return {k: held.get(k) for k in (*OFFLINE_KEYS, "positions", "distribution") if k in held}
+
+
+def expected_tokens_per_step(alpha_at: list[float], k: int) -> float:
+    """1 + sum_j prod_{i<j} alpha_at[i]: the chain's expected committed tokens per step."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= alpha_at[i] if i < len(alpha_at) else 0.0
+        total += run
+    return total
+
+
+def best_k(alpha_at: list[float], ms_per_draft_step: float, ms_per_verify: float) -> tuple[int, float]:
+    """K maximising expected tokens per ms (K draft steps + one verify per step), measured alpha_at.
+
+    Assumes verify cost does not grow with K (roughly true for small K on a latency-bound forward).
+    """
+    best, best_rate = 1, -1.0
+    for k in range(1, len(alpha_at) + 1):
+        rate = expected_tokens_per_step(alpha_at, k) / (k * ms_per_draft_step + ms_per_verify)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best, best_rate
+
+
+def leviathan_tau(alpha: float, k: int) -> float:
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+# ----------------------------------------------------------------------------- offline on the prompts
+
+@torch.inference_mode()
+def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations: list[list[int]]) -> dict:
+    """fkl, tvd, predicted_alpha, top1 at T=1 over the continuation positions, teacher-forced.
+
+    The continuation is the target's own greedy output. EAGLE heads read the target's real features
+    (position t: token t+1 and f[t]), one step ahead, exactly as in training.
+    """
+    is_eagle = getattr(draft, "kind", None) == "eagle"
+    sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
+    positions = 0
+    for prompt, cont in zip(prompt_ids, continuations):
+        if not cont or len(prompt) < 2:
+            continue
+        seq = torch.tensor([prompt + cont])
+        out = target(seq, output_hidden_states=is_eagle)
+        p_logits = out.logits[0]  # row j predicts token j+1
+        if is_eagle:
+            f = out.hidden_states[-1]
+            h = draft(seq[:, 1:], f[:, :-1])[0]  # row t predicts f[t+1], hence token t+2
+            q_logits = torch.cat([torch.zeros_like(p_logits[:1]), draft.logits(h)])[:p_logits.shape[0]]
+        else:
+            q_logits = draft(seq).logits[0]
+        rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
+        log_p = torch.log_softmax(p_logits[rows].float(), -1)
+        log_q = torch.log_softmax(q_logits[rows].float(), -1)
+        sums["fkl"] += (log_p.exp() * (log_p - log_q)).sum(-1).sum().item()
+        sums["tvd"] += 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1).sum().item()
+        sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        positions += log_p.shape[0]
+    if positions == 0:
+        return {"positions": 0}
+    out = {k: v / positions for k, v in sums.items()}
+    out["predicted_alpha"] = 1.0 - out["tvd"]
+    return {**{k: out[k] for k in OFFLINE_KEYS}, "positions": positions, "temperature": 1.0,
+            "continuations": "the target's own greedy outputs (baseline, T=0)"}
+
+
+# ----------------------------------------------------------------------------- one checkpoint
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _speedup(spec: dict, base: dict) -> float:
+    return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+
+
+def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperature, comparator_names, draft,
+                         eos, pad_id, label=""):
+    """Decode every prompt: baseline, K, the K sweep and (T=0) the comparators, interleaved per prompt."""
+    ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
+    base_runs, spec_runs = [], {k: [] for k in ks}
+    comp = {name: {"tokens": 0, "seconds": 0.0} for name in comparator_names}
+    for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
+        seed = eval_cfg.seed + i
+        base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+        for k in ks:
+            spec_runs[k].append(engine.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+        for name in comparator_names:
+            tokens, seconds = comparators.run_comparator(name, target, prompt.ids, eval_cfg.max_new_tokens, eos,
+                                                         pad_id, draft=draft, k=eval_cfg.k)
+            comp[name]["tokens"] += len(tokens)
+            comp[name]["seconds"] += seconds
+    return base_runs, spec_runs, comp
+
+
+def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) -> dict:
+    base, spec = merge_counts(base_runs), merge_counts(spec_runs[main_k])
+    deepest = max(spec_runs)  # alpha_at measured at the longest chain covers every depth
+    deep = merge_counts(spec_runs[deepest])
+    k_best, _ = best_k(deep["alpha_at"], spec["ms_per_draft_step"], spec["ms_per_verify"])
+    lossless = None
+    if temperature == 0:
+        lossless = all(s.tokens == b.tokens for runs in spec_runs.values() for s, b in zip(runs, base_runs))
+    per_category = {}
+    for cat in sorted({p.category for p in prompts}):
+        idx = [i for i, p in enumerate(prompts) if p.category == cat]
+        s = merge_counts([spec_runs[main_k][i] for i in idx])
+        b = merge_counts([base_runs[i] for i in idx])
+        per_category[cat] = {"tau": s["tau"], "alpha": s["alpha"], "speedup": _speedup(s, b), "num_prompts": len(idx)}
+    return {
+        "temperature": temperature,
+        "tau": spec["tau"],
+        "alpha": spec["alpha"],
+        "alpha_at": spec["alpha_at"],
+        "speedup": _speedup(spec, base),
+        "tokens_per_s": spec["tokens_per_s"],
+        "baseline_tokens_per_s": base["tokens_per_s"],
+        "lossless": lossless,
+        "ms_per_draft_step": spec["ms_per_draft_step"],
+        "ms_per_verify": spec["ms_per_verify"],
+        "ms_per_token": spec["ms_per_token"],
+        "baseline_ms_per_token": base["ms_per_token"],
+        "baseline_ms_per_verify": base["ms_per_verify"],
+        "tau_by_k": {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())},
+        "speedup_by_k": {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())},
+        "best_k": k_best,
+        "best_k_from": f"alpha_at measured at K={deepest}, ms per draft step and per verify measured at K={main_k}",
+        "predicted_tau_leviathan": leviathan_tau(spec["alpha"], main_k),
+        "tokens": spec["tokens"],
+        "steps": spec["steps"],
+        "per_category": per_category,
+    }
+
+
+def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
+                        draft_kind: str, heldout: dict | None) -> dict:
+    """Everything measured for one draft; the dict written to eval/<checkpoint>.json."""
+    cfg = recipe.eval
+    eos = eos_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    engine = SpeculativeDecoder(target, make_draft(draft, target), k=cfg.k, eos_ids=eos)
+    baseline = SpeculativeDecoder(target, None, eos_ids=eos)
+    wanted = comparators.comparator_names(draft) if cfg.comparators else []
+
+    results, comp_report, greedy_outputs = [], {}, None
+    for temperature in recipe.temperatures:
+        names = wanted if temperature == 0 else []
+        base_runs, spec_runs, comp = evaluate_temperature(target, engine, baseline, prompts, cfg, temperature,
+                                                          names, draft, eos, pad_id, label=checkpoint)
+        result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k)
+        results.append(result)
+        if temperature == 0:
+            greedy_outputs = [r.tokens for r in base_runs]
+            base_tps = result["baseline_tokens_per_s"]
+            for name, c in comp.items():
+                tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
+                comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
+    comp_note = "transformers decoders, greedy (T=0), same prompts and max_new_tokens; speedup vs our baseline"
+    if not cfg.comparators:
+        comp_note = "skipped (eval.comparators: false)"
+    elif not comp_report:
+        comp_note = "skipped: comparators run at T=0 only and eval.temperature has no 0"
+    if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
+        greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
+    offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
+
+    return {
+        "checkpoint": checkpoint,
+        "step": step,
+        "draft_kind": draft_kind,
+        "target": recipe.target.path,
+        "prompts": cfg.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "k": cfg.k,
+        "hardware": hardware(),
+        "offline": {"heldout": heldout, "prompts": offline_prompts},
+        "results": results,
+        "comparators": comp_report,
+        "comparators_note": comp_note,
+        "lossless_note": T0_LOSSLESS_NOTE,
+    }
+
+
+def summary_line(report: dict, r: dict) -> str:
+    lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
+    return (f"{report['checkpoint']} T={r['temperature']:g} K={report['k']}: tau {r['tau']:.2f}  "
+            f"alpha {r['alpha']:.3f}  speedup {r['speedup']:.2f}x ({r['tokens_per_s']:.1f} vs "
+            f"{r['baseline_tokens_per_s']:.1f} tok/s)  draft {r['ms_per_draft_step']:.1f} ms/step  "
+            f"verify {r['ms_per_verify']:.1f} ms  lossless {lossless}  best K {r['best_k']}")
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def run(recipe, args) -> list[Path]:
+    from specdistill.target import load_target, load_tokenizer
+    from specdistill.train.drafts import draft_kind, load_draft
+    from specdistill.eval.prompts import load_prompts
+
+    which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
+    steps = select_checkpoints(recipe.run_dir, which)
+    target = load_target(recipe.target)
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    written = []
+    for step_dir in steps:
+        draft = load_draft(step_dir, target)
+        step = int(layout.STEP_DIR.match(step_dir.name).group(1))
+        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step,
+                                     draft_kind(step_dir), heldout_metrics(step_dir))
+        out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
+        write_json_atomic(out, report)
+        for r in report["results"]:
+            print(summary_line(report, r), flush=True)
+        for name, c in report["comparators"].items():
+            print(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
+                  f"speedup {c['speedup']:.2f}x vs our baseline", flush=True)
+        written.append(out)
+    return written

@@ -1,0 +1,79 @@
+"""The accept/residual rule alone reproduces the target distribution p; wrong rules do not."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdistill.eval.sampling import residual, speculative_sample, verify_chain, verify_greedy
+
+V = 8
+DRAWS = 100_000
+
+
+def fixed_distributions():
+    g = torch.Generator().manual_seed(1234)
+    p = torch.softmax(2.0 * torch.randn(V, generator=g), -1)
+    q = torch.softmax(2.0 * torch.randn(V, generator=g), -1)
+    return p, q
+
+
+def emitted_counts(residual_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    p, q = fixed_distributions()
+    g = torch.Generator().manual_seed(0)
+    P, Q = p.expand(DRAWS, V), q.expand(DRAWS, V)
+    draft = torch.multinomial(Q, 1, generator=g).squeeze(-1)
+    tokens, _ = speculative_sample(P, Q, draft, g, residual_fn=residual_fn)
+    return torch.bincount(tokens, minlength=V).double(), p.double()
+
+
+def p_value(counts, p) -> float:
+    return chisquare(counts.numpy(), (p / p.sum() * counts.sum()).numpy()).pvalue
+
+
+def test_rule_reproduces_p():
+    counts, p = emitted_counts(residual)
+    assert p_value(counts, p) > 1e-3
+
+
+@pytest.mark.parametrize("wrong_rule", [
+    lambda p, q: p,                                          # resample from p instead of the residual
+    lambda p, q: (q - p).clamp_min(0) / (q - p).clamp_min(0).sum(-1, keepdim=True),  # residual sign flipped
+    lambda p, q: (p - q).abs() / (p - q).abs().sum(-1, keepdim=True),                # |p - q| instead of max(p - q, 0)
+])
+def test_wrong_rules_fail_the_same_test(wrong_rule):
+    counts, p = emitted_counts(wrong_rule)
+    assert p_value(counts, p) < 1e-3
+
+
+def test_residual_is_normalised_and_zero_where_q_covers_p():
+    p, q = fixed_distributions()
+    r = residual(p, q)
+    assert torch.isclose(r.sum(), torch.tensor(1.0))
+    assert torch.all(r[q >= p] == 0)
+    assert torch.equal(residual(p, p), p)  # p == q: nothing to correct, fall back to p
+
+
+def test_verify_chain_full_acceptance_samples_bonus_from_last_row():
+    p = torch.zeros(3, V)
+    p[0, 3] = p[1, 5] = p[2, 7] = 1.0
+    q = torch.zeros(2, V)
+    q[0, 3] = q[1, 5] = 1.0
+    a, nxt = verify_chain(p, q, torch.tensor([3, 5]), torch.Generator().manual_seed(0))
+    assert (a, nxt) == (2, 7)
+
+
+def test_verify_chain_rejects_token_the_target_never_emits():
+    p = torch.zeros(3, V)
+    p[:, 1] = 1.0
+    q = torch.full((2, V), 1.0 / V)
+    a, nxt = verify_chain(p, q, torch.tensor([4, 1]), torch.Generator().manual_seed(0))
+    assert (a, nxt) == (0, 1)
+
+
+def test_verify_greedy():
+    logits = torch.zeros(4, V)
+    logits[0, 2] = logits[1, 6] = logits[2, 0] = logits[3, 5] = 1.0
+    assert verify_greedy(logits, torch.tensor([2, 6, 0])) == (3, 5)
+    assert verify_greedy(logits, torch.tensor([2, 1, 0])) == (1, 6)
+    assert verify_greedy(logits[:1], torch.empty(0, dtype=torch.long)) == (0, 2)
