@@ -66,7 +66,7 @@ def test_recipe_parses_and_dry_runs(path, tmp_path):
     tc = recipe.train
     assert ds["train_batch_size"] == tc.micro_batch_size * tc.gradient_accumulation_steps * tc.num_gpus * tc.num_nodes
     assert ds["zero_optimization"]["stage"] == tc.zero_stage
-    assert ds["scheduler"]["params"]["cos_min_ratio"] == tc.min_lr_ratio
+    assert ds["optimizer"]["params"]["lr"] == tc.lr
     assert ("bf16" in ds) == (tc.precision == "bf16")
     assert all(p.device.type == "meta" for p in draft.parameters())
     assert n_params(draft) > 0
@@ -95,3 +95,13 @@ def test_init_from_with_other_vocabulary_is_refused(tmp_path):
     recipe.draft.init_from = str(local)
     with pytest.raises(SpecdistillError, match="vocabulary 32000"):
         build_draft(recipe, llama31_8b_config(), None, None, weights=False)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_ratio():
+    from specdistill.train.ds_config import lr_factor
+
+    f = [lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # no step at lr 0
+    assert f[4] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert lr_factor(0, warmup=0, total=10, min_ratio=0.0) == pytest.approx(1.0)

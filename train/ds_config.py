@@ -1,9 +1,15 @@
-"""The DeepSpeed config, written from the recipe's `train` section (one place, so a dry run can show it)."""
+"""The DeepSpeed config, written from the recipe's `train` section (one place, so a dry run can show it).
+
+The LR schedule (linear warmup, then cosine down to min_lr_ratio) is `lr_factor` below, handed to
+DeepSpeed as the client scheduler: DeepSpeed's WarmupCosineLR spends its first steps at lr 0.
+"""
 from __future__ import annotations
+
+import math
 
 
 def build_ds_config(train, world_size: int) -> dict:
-    """ZeRO stage, precision, batch sizes, clipping, AdamW, warmup-then-cosine LR down to min_lr_ratio."""
+    """ZeRO stage, precision, batch sizes, clipping, AdamW (the LR schedule: `lr_scheduler`)."""
     cfg = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -12,9 +18,6 @@ def build_ds_config(train, world_size: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {
             "lr": train.lr, "betas": list(train.betas), "eps": 1e-8, "weight_decay": train.weight_decay,
             "torch_adam": True}},  # torch's AdamW: runs on CPU too, no fused-kernel build
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": train.max_steps, "warmup_num_steps": max(1, train.warmup_steps),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"}},
         "zero_optimization": {"stage": train.zero_stage},
         "steps_per_print": 10**9,  # our own logging (tqdm, TensorBoard) instead of DeepSpeed's
         "wall_clock_breakdown": False,
@@ -27,3 +30,21 @@ def build_ds_config(train, world_size: int) -> dict:
         cfg["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True,
                                         reduce_bucket_size=5e8, allgather_bucket_size=5e8)
     return cfg
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of train.lr for optimizer step `step` (0-based): linear warmup, then cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_scheduler(train):
+    """A callable DeepSpeed turns into the scheduler (its state is saved in DeepSpeed's checkpoint)."""
+    from functools import partial
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    factor = partial(lr_factor, warmup=train.warmup_steps, total=train.max_steps, min_ratio=train.min_lr_ratio)
+    return lambda optimizer: LambdaLR(optimizer, factor)

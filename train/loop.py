@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.train import checkpoint, drafts
-from specdistill.train.ds_config import build_ds_config
+from specdistill.train.ds_config import build_ds_config, lr_scheduler
 from specdistill.train.offline_metrics import offline_metrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -156,7 +156,7 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     draft = drafts.build_draft(recipe, parts.config, parts.embed, parts.lm_head, target_dir=parts.where)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=draft, model_parameters=trainable,
-                                           config=build_ds_config(tc, world))
+                                           config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
     std = feature_std(data) if kind == "eagle" else 1.0
     start = 0
     latest = checkpoint.latest_checkpoint(run_dir)
