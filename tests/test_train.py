@@ -247,3 +247,20 @@ def test_draft_lm_lora_and_resized_hidden(tiny_target_dir):
     reloaded = draft_lm.load_draft_lm(draft_lm.config_dict(lora), state)
     with torch.no_grad():
         assert torch.allclose(reloaded(x).logits, lora(input_ids=x).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_target_parts_match_the_loaded_target(tmp_path, model_type):
+    from specdistill.recipe import TargetConfig
+    from specdistill.train.drafts import load_target_parts
+    from tests.conftest import tiny_model
+
+    target = tiny_model(model_type, vocab_size=300)
+    target.save_pretrained(tmp_path / "t")
+    parts = load_target_parts(TargetConfig(path=str(tmp_path / "t")))
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.allclose(parts.embed(ids), target.get_input_embeddings()(ids))
+        h = torch.randn(1, 3, target.config.hidden_size)
+        assert torch.allclose(parts.lm_head(h), target.get_output_embeddings()(h))
+    assert not any(p.requires_grad for p in (*parts.embed.parameters(), *parts.lm_head.parameters()))

@@ -31,6 +31,13 @@ class TargetParts:
     where: str  # local dir or hub id
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma multiplies its embeddings by sqrt(hidden) inside the embedding module; match it."""
+
+    def forward(self, ids):
+        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
+
+
 def _require_kind(kind: str) -> None:
     if kind not in KINDS:
         raise SpecdistillError(f"draft.kind {kind!r} is not implemented yet; implemented: {', '.join(KINDS)}")
@@ -47,7 +54,8 @@ def load_target_parts(target_cfg, device="cpu", dtype=torch.float32) -> TargetPa
         raise SpecdistillError(f"target.path {target_cfg.path}: no model.embed_tokens.weight in its safetensors")
     embed_w = tensors["model.embed_tokens.weight"]
     head_w = tensors.get("lm_head.weight", embed_w)  # tied embeddings: the head is the embedding
-    embed = nn.Embedding(*embed_w.shape, _weight=embed_w.to(dtype), _freeze=True)
+    cls = ScaledEmbedding if config.model_type.startswith("gemma") else nn.Embedding
+    embed = cls(*embed_w.shape, _weight=embed_w.to(dtype), _freeze=True)
     lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
     lm_head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
     return TargetParts(config, embed.to(device).requires_grad_(False), lm_head.to(device).requires_grad_(False), where)
