@@ -144,6 +144,11 @@ def make_summary(stats, fmt: str, splits: dict, skipped: Counter, tokenizer_fp: 
     }
 
 
+def corpus_settings(cfg) -> dict:
+    """The corpus keys that shape the prepared sequences (max_rows is handled by the cache stage)."""
+    return cfg.model_dump(mode="json", exclude={"max_rows"})
+
+
 def prepare_corpus(recipe, out_dir: Path, tokenizer=None) -> dict:
     """Read, check, tokenise, split and save the recipe's corpus into out_dir; return the summary."""
     from specdistill.target import fingerprint_tokenizer, load_tokenizer
@@ -165,6 +170,7 @@ def prepare_corpus(recipe, out_dir: Path, tokenizer=None) -> dict:
                                f"{cfg.min_assistant_tokens} trained tokens (skipped: {dict(skipped)})")
     splits = build_splits(seqs, cfg)
     summary = make_summary(stats, fmt, splits, skipped, fingerprint_tokenizer(tokenizer), time.time() - t0)
+    summary["corpus_settings"], summary["max_rows"] = corpus_settings(cfg), cfg.max_rows
     write_prepared(out_dir, splits, summary)
     return summary
 

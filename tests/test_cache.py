@@ -252,3 +252,15 @@ def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, ti
     assert "reusing" in capsys.readouterr().out
     m = build_cache(recipe, out, tmp_path / "cache", model=model, tokenizer=tokenizer)
     assert m["complete"]
+
+
+def test_smaller_max_rows_caches_a_prefix_and_other_corpus_changes_stop(tmp_path, tiny):
+    target, tokenizer, model = tiny
+    corpus = prepared(tmp_path, make_recipe(target, {"max_rows": 12}), tokenizer)
+    m = build_cache(make_recipe(target, {"max_rows": 5}), corpus, tmp_path / "cache", model=model, tokenizer=tokenizer)
+    direct = prepare_corpus(make_recipe(target, {"max_rows": 5}), tmp_path / "corpus5", tokenizer)
+    assert m["fingerprints"]["corpus"] == direct["fingerprint"]  # the prefix is what preparing 5 rows gives
+    assert sum(m["splits"][s]["sequences"] for s in m["splits"]) == direct["sequences"]
+    with pytest.raises(SpecdistillError, match=r"different corpus settings \(corpus.max_length\)"):
+        build_cache(make_recipe(target, {"max_rows": 12, "max_length": 100}), corpus, tmp_path / "c2",
+                    model=model, tokenizer=tokenizer)

