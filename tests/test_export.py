@@ -6,6 +6,7 @@ no norm / lm_head module, and an unknown name is a hard load error while a missi
 """
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -505,3 +506,63 @@ def test_non_llama_target_stops_for_vllm_heads(tmp_path, monkeypatch, smollm_tok
     step_dir = make_eagle_checkpoint(recipe, target.config)
     with pytest.raises(SpecdistillError, match="Llama-architecture targets only; this target is 'qwen2'"):
         export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+
+
+SPECULATORS_CHECK = r'''
+import importlib.abc, importlib.machinery, json, sys, types
+
+
+class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """speculators' data-generation dependencies (openai, hs_connectors): never used by its configs/models."""
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("openai", "hs_connectors"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name)
+        m.__path__ = []
+        m.__getattr__ = lambda n: (_ for _ in ()).throw(AttributeError(n)) if n.startswith("__") else type(n, (), {})
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(StubFinder())
+from safetensors.torch import load_file
+from speculators import SpeculatorModelConfig
+from speculators.models.eagle3.core import Eagle3DraftModel
+
+d = sys.argv[1]
+cfg = SpeculatorModelConfig.from_pretrained(d)
+model = Eagle3DraftModel(cfg)
+ours = load_file(d + "/model.safetensors")
+theirs = model.state_dict()
+missing, unexpected = model.load_state_dict(ours, strict=False)
+print(json.dumps({"config_class": type(cfg).__name__, "layer_config": type(cfg.transformer_layer_config).__name__,
+                  "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": cfg.norm_before_residual,
+                  "missing": sorted(set(missing) - set(Eagle3DraftModel._keys_to_ignore_on_load_missing)),
+                  "unexpected": sorted(unexpected),
+                  "shape_mismatch": sorted(k for k in ours if k in theirs and ours[k].shape != theirs[k].shape)}))
+'''
+
+
+@pytest.mark.skipif(not os.environ.get("SPECDISTILL_SPECULATORS_DIR"),
+                    reason="set SPECDISTILL_SPECULATORS_DIR to a dir from "
+                           "`pip install --no-deps --target DIR speculators==0.9.0` (kept out of .venv: CUDA torch)")
+def test_speculators_library_loads_the_export(setup):
+    """speculators 0.9.0's own Eagle3SpeculatorConfig and Eagle3DraftModel read the export."""
+    import subprocess
+    import sys
+
+    recipe, target = setup
+    step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config)
+    out = export.export_checkpoint(recipe, step_dir, "speculators")
+    env = dict(os.environ, PYTHONPATH=os.environ["SPECDISTILL_SPECULATORS_DIR"])
+    done = subprocess.run([sys.executable, "-c", SPECULATORS_CHECK, str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"config_class": "Eagle3SpeculatorConfig", "layer_config": "LlamaConfig",
+                      "draft_vocab_size": VD, "norm_before_residual": False, "missing": [], "unexpected": [],
+                      "shape_mismatch": []}

@@ -17,7 +17,8 @@ Formats (see ../shared/docs/vllm-formats.md; names and shapes checked against vL
   speculators  the same tensors with a speculators-format config.json (speculators_config, verifier).
                Both are written from the contract in `write_eagle3` (vLLM's own tensor names); the
                EAGLE-3 head itself arrives with issue 6, so they are checked against vLLM's loader
-               tables only, not yet round-tripped through a trained head.
+               tables (and, for speculators, the speculators 0.9.0 library's own config and model
+               classes: tests/test_export.py), not yet round-tripped through a trained head.
 
 The export directory name ("vllm-eagle") does not contain "eagle-", so vLLM cannot guess the method
 from the path: the README's serve command always passes "method".
