@@ -34,7 +34,7 @@ def load_evals(run_dir: Path) -> list[dict]:
     evals = [read_eval(f) for f in files]
     for e in evals:
         e["_run"] = run_dir.name
-    return sorted(evals, key=lambda e: e["step"])
+    return sorted(evals, key=lambda e: (e["step"] is not None, e["step"] or 0, e["checkpoint"]))
 
 
 def read_eval(path: Path) -> dict:
@@ -137,7 +137,8 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
         row += [num(offline(e, src, k)) for src in ("heldout", "prompts") for k in OFFLINE_KEYS]
         for t in temps:
             r = result_at(e, t)
-            row += [num(r.get("alpha")), num(r.get("tau")), num(r.get("speedup"), 2), num(r.get("lossless"))]
+            lossless = "n/a (T>0)" if r and r.get("lossless") is None and t > 0 else num(r.get("lossless"))
+            row += [num(r.get("alpha")), num(r.get("tau")), num(r.get("speedup"), 2), lossless]
         rows.append(row)
     return table(header, rows)
 
@@ -171,14 +172,16 @@ def time_table(evals: list[dict], many_runs: bool) -> str:
 
 
 def tau_k_table(evals: list[dict], many_runs: bool) -> str:
-    header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "best K"]
+    header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "speedup at K", "best K"]
     rows = []
     for e in evals:
         for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
             for k, tau in tau_points(e, r):
                 alpha = r.get("alpha")
+                speedup = (r.get("speedup_by_k") or {}).get(str(k), r.get("speedup") if k == e.get("k") else None)
                 rows.append([label(e, many_runs), num(float(r["temperature"]), 1), num(alpha), str(k), num(tau),
-                             num(leviathan_tau(alpha, k)) if alpha is not None else DASH, num(r.get("best_k"))])
+                             num(leviathan_tau(alpha, k)) if alpha is not None else DASH, num(speedup, 2),
+                             num(r.get("best_k"))])
     return table(header, rows)
 
 
@@ -350,6 +353,8 @@ def write_tensorboard(run_dir: Path, evals: list[dict]) -> None:
         old.unlink()  # our own previous report's scalars: a rerun replaces them instead of doubling them
     writer = SummaryWriter(str(layout.tb_dir(run_dir)), filename_suffix=".report")
     for e in evals:
+        if e["step"] is None:
+            continue
         step = int(e["step"])
         for src in ("heldout", "prompts"):
             for k in OFFLINE_KEYS:
@@ -409,6 +414,16 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str) -> tu
     return out_dir / "report.md", headline
 
 
+def notes(evals: list[dict], key: str) -> str:
+    found = sorted({e[key] for e in evals if e.get(key)})
+    return ("\n\n" + "\n".join(f"Note (eval): {n}" for n in found)) if found else ""
+
+
+def best_k_notes(evals: list[dict]) -> str:
+    found = sorted({r["best_k_from"] for e in evals for r in e["results"] if r.get("best_k_from")})
+    return ("\n\n" + "\n".join(f"Best K (eval): {n}" for n in found)) if found else ""
+
+
 def render(runs, evals, many, best, headline, footer, command, figures) -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
@@ -429,7 +444,7 @@ Reproduce:
 Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
 speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
 same target measured in the same run; lossless = token-identical to greedy (T=0) or a passed
-distribution test (T>0).
+distribution test (T>0).{notes(evals, "lossless_note")}
 
 {checkpoint_table(evals, many)}
 
@@ -444,7 +459,7 @@ accepts when the argmaxes agree), predicted α = 1 − E[tvd] at T>0; dashed: y 
 
 ## τ per K against Leviathan's curve
 Dashed: E = (1 − α^(K+1)) / (1 − α) with the measured α; dots: measured τ. The gap shows that
-acceptance is not i.i.d. across draft depths.
+acceptance is not i.i.d. across draft depths.{best_k_notes(evals)}
 
 {tau_k_table(evals, many)}
 
@@ -453,6 +468,8 @@ acceptance is not i.i.d. across draft depths.
 *{footer}*
 
 ## Comparators on the same prompts
+Speedups over our own plain autoregressive baseline of the same run (tokens/s in brackets).{notes(evals, "comparators_note")}
+
 {comparator_table(evals, many)}
 
 ![comparators]({figures['comparators.png'].name})

