@@ -489,7 +489,8 @@ The head is only valid with this exact target.
 ```sh
 {serve_command(recipe, fmt, final_dir, k)}
 ```
-"method" is explicit: this directory's name does not contain "eagle-", so vLLM would not guess it.
+"method" is explicit: vLLM guesses it from the path only (`eagle-` -> eagle, `eagle3` -> eagle3,
+else draft_model), and an export directory may be moved or renamed.
 
 ## Measured
 {measured}
