@@ -303,6 +303,10 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokeniz
                 "batch_tokens": recipe.cache.batch_tokens}
     fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": fingerprint_tokenizer(tokenizer),
                     "corpus": corpus_summary["fingerprint"], "cache": recipe.cache.model_dump(mode="json")}
+    if corpus_summary.get("tokenizer") not in (None, fingerprints["tokenizer"]):
+        raise SpecdistillError(f"{corpus_path}: prepared with another tokenizer than target {recipe.target.path}'s "
+                               f"(fingerprint {corpus_summary['tokenizer']} vs {fingerprints['tokenizer']}); "
+                               f"rerun `specdistill prepare`")
     per_token = bytes_per_token(store, cfg.hidden_size, len(aux_layers), recipe.cache.topk,
                                 CACHE_DTYPES[recipe.cache.dtype])
     plans = {s: plan_shards(lengths[s], recipe.cache.shard_tokens) for s in SPLITS}

@@ -100,7 +100,15 @@ def write_prepared(out_dir: Path, splits: dict[str, list[dict]], summary: dict) 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    dd.save_to_disk(str(tmp), num_shards={name: 1 for name in SPLITS})  # an empty split still gets a file
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # our own bar already said what is happening
+    try:
+        dd.save_to_disk(str(tmp), num_shards={name: 1 for name in SPLITS})  # an empty split still gets a file
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
     old = out_dir.with_name(out_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)

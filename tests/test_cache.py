@@ -264,3 +264,15 @@ def test_smaller_max_rows_caches_a_prefix_and_other_corpus_changes_stop(tmp_path
     with pytest.raises(SpecdistillError, match=r"different corpus settings \(corpus.max_length\)"):
         build_cache(make_recipe(target, {"max_rows": 12, "max_length": 100}), corpus, tmp_path / "c2",
                     model=model, tokenizer=tokenizer)
+
+
+def test_corpus_prepared_with_another_tokenizer_stops(tmp_path, tiny):
+    import copy
+
+    target, tokenizer, model = tiny
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = tokenizer.chat_template + "{# another template #}"
+    recipe = make_recipe(target, {"max_rows": 4})
+    prepare_corpus(recipe, tmp_path / "corpus", other)
+    with pytest.raises(SpecdistillError, match="prepared with another tokenizer"):
+        build_cache(recipe, tmp_path / "corpus", tmp_path / "cache", model=model, tokenizer=tokenizer)
