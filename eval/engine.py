@@ -154,10 +154,13 @@ class Target:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
 
-    def forward(self, ids: torch.Tensor):
-        """Run ids [n] after the cached prefix -> (logits [n, V], last hidden states [n, H] or None)."""
+    def forward(self, ids: torch.Tensor, logits_to_keep: int = 0):
+        """Run ids [n] after the cached prefix -> (logits [n, V], last hidden states [n, H] or None).
+
+        logits_to_keep=1 skips the LM head on all but the last position (prefill needs none).
+        """
         out = self.model(ids[None], past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.need_features)
+                         output_hidden_states=self.need_features, logits_to_keep=logits_to_keep)
         features = out.hidden_states[-1][0] if self.need_features else None
         return out.logits[0], features
 
@@ -283,7 +286,7 @@ class SpeculativeDecoder:
         draft.reset()
         new_features = None
         if p_len > 1:  # prefill everything but the pending last prompt token
-            _, new_features = target.forward(seq[:p_len - 1])
+            _, new_features = target.forward(seq[:p_len - 1], logits_to_keep=1)
         res.prefill_s = time.perf_counter() - start
 
         while n - p_len < max_new_tokens:

@@ -1,0 +1,60 @@
+"""Decode benchmark: our speculative speedup over our own AR baseline, and the transformers comparators.
+
+For the recipe's last checkpoint (an untrained draft when there is none, and it says so), on the
+recipe's eval prompts (MT-bench by default), at T=0 and T=1, all measured in one run on this machine:
+tau, alpha, speedup, the time split per step (draft / verify), and hf generate / prompt lookup /
+assisted speedups vs our baseline. `make bench ARGS=decode`, or
+`python -m benchmarks.decode_bench [recipe] [section.key=value ...]`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _draft_for(recipe, target):
+    from specdistill import layout
+    from specdistill.train import drafts
+
+    found = layout.checkpoints(recipe.run_dir)
+    if found:
+        return drafts.load_draft(found[-1], target), found[-1].name, int(found[-1].name.split("-")[1])
+    print(f"no checkpoint under {recipe.run_dir}: benchmarking an UNTRAINED {recipe.draft.kind} draft "
+          "(acceptance will be near zero; this measures the engine's overhead)", flush=True)
+    torch.manual_seed(0)
+    draft = drafts.build_draft(recipe, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+    return draft.eval().requires_grad_(False), "untrained", None
+
+
+def main(recipe_path: str = "recipes/smollm2-135m-eagle.yaml", overrides: list[str] = ()) -> dict:
+    from specdistill.eval import evaluate
+    from specdistill.eval.prompts import load_prompts
+    from specdistill.recipe import load_recipe
+    from specdistill.target import load_target, load_tokenizer
+
+    recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *overrides])
+    target = load_target(recipe.target)
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    draft, name, step = _draft_for(recipe, target)
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, name, step,
+                                          recipe.draft.kind, None)
+    hw = report["hardware"]
+    print(f"target {recipe.target.path}, draft {recipe.draft.kind} ({name}), prompts {recipe.eval.prompts} "
+          f"(n={len(prompts)}), max_new_tokens {recipe.eval.max_new_tokens}, K={recipe.eval.k}, "
+          f"{hw['cpu']}, {hw['threads']} threads")
+    for r in report["results"]:
+        print(evaluate.summary_line(report, r))
+        print(f"  time split: draft {r['ms_per_draft_step']:.2f} ms/draft step, verify {r['ms_per_verify']:.2f} ms "
+              f"(baseline {r['baseline_ms_per_verify']:.2f} ms/forward), {r['ms_per_token']:.2f} ms/token vs "
+              f"baseline {r['baseline_ms_per_token']:.2f}; predicted tau (Leviathan, iid alpha) "
+              f"{r['predicted_tau_leviathan']:.2f} vs measured {r['tau']:.2f}")
+    for cname, c in report["comparators"].items():
+        print(f"  comparator {cname} (T=0): {c['tokens_per_s']:.1f} tok/s, speedup {c['speedup']:.2f}x vs our baseline")
+    return report
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(*(args[:1] or ["recipes/smollm2-135m-eagle.yaml"]), overrides=args[1:])
