@@ -1,3 +1,5 @@
+import json
+
 import torch
 from transformers import DynamicCache
 
@@ -66,3 +68,53 @@ def test_padding_does_not_change_real_positions():
         b = ttt_forward(head, padded, aux, mask, 2)
     for s in range(2):
         torch.testing.assert_close(a[s][0, :8 - s], b[s][0, :8 - s], atol=1e-4, rtol=1e-4)
+
+
+def add_aux_states(run_dir, target_dir, aux_layers):
+    """Extend a test cache (tests/test_train.write_cache) with hidden_aux, as the cache stage stores it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from specdistill import layout
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    for shard in sorted(layout.cache_dir(run_dir).glob("*/shard-*.safetensors")):
+        tensors = load_file(str(shard))
+        aux = []
+        for ids in tensors["input_ids"].long().split(tensors["seq_lens"].tolist()):
+            with torch.no_grad():
+                hs = model(ids[None], output_hidden_states=True).hidden_states
+            aux.append(torch.stack([hs[i][0] for i in aux_layers], dim=1))
+        tensors["hidden_aux"] = torch.cat(aux).contiguous()
+        save_file(tensors, str(shard))
+
+
+def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_dir, monkeypatch):
+    from tests.test_train import make_recipe, write_cache
+
+    import specdistill.recipe as recipe_mod
+    from specdistill import layout
+    from specdistill.target import load_target
+    from specdistill.train import drafts
+    from specdistill.train.loop import train
+
+    monkeypatch.setattr(recipe_mod, "CHECKPOINTS", tmp_path / "checkpoints")
+    recipe = make_recipe(tmp_path, tiny_target_dir, "e3", kind="eagle3", max_steps=6, save_every=3)
+    recipe.draft.draft_vocab_size = 128
+    recipe.draft.ttt_steps = 3
+    recipe.cache.aux_layers = [0, 1, 2]
+    write_cache(recipe.run_dir, tiny_target_dir, n_train=8)
+    add_aux_states(recipe.run_dir, tiny_target_dir, [0, 1, 2])
+    history = train(recipe)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert {"step0", "step1", "step2"} <= set(history[0])
+    steps = layout.checkpoints(recipe.run_dir)
+    assert [p.name for p in steps] == ["step-0000003", "step-0000006"]
+    metrics = json.loads((steps[-1] / "metrics.json").read_text())["heldout"]
+    assert 0 < metrics["vocab_coverage"] <= 1 and 0 <= metrics["predicted_alpha"] <= 1
+    assert len(metrics["top1_at"]) == 3
+    target = load_target(recipe.target)
+    head = drafts.load_draft(steps[-1], target)
+    assert head.kind == "eagle3" and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
+    ids = head.draft_ids
+    assert bool((ids[1:] > ids[:-1]).all()) and head.lm_head.weight.shape[0] == 128

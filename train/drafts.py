@@ -2,7 +2,8 @@
 
   eagle     train/eagle.py: input (x[t+1], f[t]) -> f_hat[t+1]; p from lm_head(f[t+1]) (full vocabulary)
   draft_lm  train/draft_lm.py: a small causal LM; p from the cached top-k (or lm_head(hidden_last))
-  eagle3    reserved (another issue): add a branch to each function below.
+  eagle3    train/eagle3.py: fused aux states -> unrolled `ttt_steps` times on its own outputs; p is the
+            target's distribution restricted to the draft vocabulary (full vocabulary for the metrics)
 
 Training never loads the whole target: `load_target_parts` reads only its embedding and LM head
 from the safetensors files.
@@ -18,9 +19,11 @@ from torch import nn
 
 from specdistill.errors import SpecdistillError
 from specdistill.train import draft_lm
+from specdistill.train import eagle3
 from specdistill.train.eagle import EagleHead
+from specdistill.train.eagle3 import Eagle3Head
 
-KINDS = ("eagle", "draft_lm")
+KINDS = ("eagle", "eagle3", "draft_lm")
 
 
 @dataclass
@@ -71,6 +74,8 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
             with torch.device("meta"):
                 return EagleHead(target_config)
         return EagleHead(target_config).bind_target(target_embed, target_lm_head)
+    if kind == "eagle3":
+        return _build_eagle3(recipe, target_config, target_embed, weights)
     if weights and target_dir is None:
         from specdistill.target import resolve_target
 
@@ -78,16 +83,30 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
     return draft_lm.build_draft_lm(recipe.draft, target_config, target_dir, weights=weights)
 
 
+def _build_eagle3(recipe, target_config, target_embed, weights: bool):
+    vocab = target_config.vocab_size
+    vd = min(recipe.draft.draft_vocab_size or 32000, vocab)
+    aux = recipe.cache.aux_layers or eagle3.default_aux_layers(target_config.num_hidden_layers)
+    if not weights:
+        with torch.device("meta"):
+            return Eagle3Head(target_config, vd, aux)
+    head = Eagle3Head(target_config, vd, aux)
+    head.config.ttt_steps = recipe.draft.ttt_steps
+    counts = eagle3.trained_token_counts(recipe.run_dir, vocab)
+    head.set_draft_vocab(eagle3.draft_vocab_from_counts(counts, vd))
+    return head.bind_target(target_embed)
+
+
 def own_state_dict(kind: str, draft) -> dict[str, torch.Tensor]:
     """What draft.safetensors holds: eagle -> EagleHead.own_state_dict(); draft_lm -> plain HF names."""
     _require_kind(kind)
-    if kind == "eagle":
+    if kind in ("eagle", "eagle3"):
         return draft.own_state_dict()
     return draft_lm.own_state_dict(draft)
 
 
 def draft_config_dict(kind: str, draft) -> dict:
-    if kind == "eagle":
+    if kind in ("eagle", "eagle3"):
         return json.loads(draft.config.to_json_string())
     return draft_lm.config_dict(draft)
 
@@ -121,6 +140,15 @@ def load_draft(step_dir: str | Path, target_model):
         head.load_own_state_dict(state)
         head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
         return head.to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)
+    if kind == "eagle3":
+        cfg = dict(meta["config"])
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        head = Eagle3Head(config, config.draft_vocab_size, config.eagle_aux_hidden_state_layer_ids)
+        head.load_own_state_dict(state)
+        head.bind_target(target_model.get_input_embeddings())
+        head = head.to(device=ref.device, dtype=ref.dtype)
+        head.d2t.data, head.t2d.data = state["d2t"].to(ref.device), state["t2d"].to(ref.device)  # keep int/bool
+        return head.eval().requires_grad_(False)
     return draft_lm.load_draft_lm(meta["config"], state, device=ref.device, dtype=ref.dtype).requires_grad_(False)
 
 
@@ -141,6 +169,8 @@ def predict(kind: str, model, batch: dict, parts: TargetParts, noise: float = 0.
     _require_kind(kind)
     if kind == "eagle":
         return _predict_eagle(model, batch, parts, noise, feature_std, generator)
+    if kind == "eagle3":
+        return _predict_eagle3(model, batch, parts, noise, generator)
     return _predict_draft_lm(model, batch, parts)
 
 
@@ -162,6 +192,43 @@ def _predict_eagle(model, batch, parts, noise, feature_std, generator):
     with torch.no_grad():
         p_logits = parts.lm_head(f)
     return {"q_logits": parts.lm_head(f_hat), "p_logits": p_logits, "f_hat": f_hat, "f": f}
+
+
+def _predict_eagle3(model, batch, parts, noise, generator):
+    """Training-time test: step s at position t predicts token t+2+s; counted where that token is trained.
+
+    The loss compares q with the target's distribution restricted to the draft vocabulary and
+    renormalised; positions whose next token lies outside the draft vocabulary are not counted (the
+    draft cannot propose it). Step 0 also keeps every trained position (`metric_*`) so the offline
+    metrics measure the real acceptance, draft-vocabulary misses included.
+    """
+    if "hidden_aux" not in batch or "hidden_last" not in batch:
+        raise SpecdistillError("draft.kind eagle3 needs hidden_aux and hidden_last in the cache (cache.store)")
+    head = getattr(model, "module", model)
+    ids, att = batch["input_ids"], batch["attention_mask"]
+    B, T = ids.shape
+    dtype = parts.lm_head.weight.dtype
+    aux = batch["hidden_aux"].to(dtype).flatten(2)  # [B, T, A*H]
+    logits = model(ids, None, None, None, att, ttt_aux=aux, ttt_steps=head.config.ttt_steps,
+                   noise=noise, generator=generator)
+    draft_ids = head.draft_ids
+    with torch.no_grad():
+        p_all = batch["hidden_last"].to(dtype) @ parts.lm_head.weight[draft_ids].T  # [B, T, Vd]
+    trained = _valid(batch, "loss_mask")
+    in_vocab = head.t2d[ids]
+    steps = []
+    for s, q in enumerate(logits):
+        counted = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
+        if T - 2 - s <= 0:
+            break
+        counted[:, :T - 2 - s] = (trained & in_vocab)[:, 2 + s:]
+        p = torch.zeros_like(p_all)
+        p[:, :T - 1 - s] = p_all[:, 1 + s:]
+        steps.append({"q_logits": q[counted], "p_logits": p[counted]})
+    first = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
+    first[:, :T - 2] = trained[:, 2:]
+    return {**steps[0], "steps": steps, "draft_ids": draft_ids,
+            "metric_q_logits": logits[0][first], "metric_f": batch["hidden_last"][:, 1:][first[:, :T - 1]].to(dtype)}
 
 
 def _predict_draft_lm(model, batch, parts):
@@ -195,6 +262,15 @@ def training_loss(kind: str, pred: dict, loss_cfg):
     """(loss, {component: value}) for one micro batch."""
     from specdistill.train import losses
 
+    if kind == "eagle3":  # per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8)
+        total, parts, weights = 0.0, {}, 0.0
+        for s, step in enumerate(pred["steps"]):
+            log_p, log_q = distribution_logprobs(step, loss_cfg.temperature)
+            dist, _ = losses.mixed_loss(log_p, log_q, dict(loss_cfg.terms), loss_cfg.jsd_beta)
+            total = total + loss_cfg.ttt_decay ** s * dist
+            weights += loss_cfg.ttt_decay ** s
+            parts[f"step{s}"] = dist.detach()
+        return total / weights, parts
     log_p, log_q = distribution_logprobs(pred, loss_cfg.temperature)
     dist, parts = losses.mixed_loss(log_p, log_q, dict(loss_cfg.terms), loss_cfg.jsd_beta)
     if kind != "eagle":

@@ -31,6 +31,21 @@ def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torc
     return top.sort().values
 
 
+def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
+    """How often each token is a trained (loss-masked) token in the cached train split."""
+    from safetensors import safe_open
+
+    from specdistill import layout
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    shards = sorted((layout.cache_dir(run_dir) / "train").glob("shard-*.safetensors"))
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     d2t = (draft_ids - torch.arange(draft_ids.numel())).long()
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -49,6 +64,7 @@ class Eagle3Head(nn.Module):
         cfg._attn_implementation = "sdpa"  # we pass boolean masks (True = attend)
         cfg.draft_vocab_size = draft_vocab_size
         cfg.eagle_aux_hidden_state_layer_ids = list(aux_layers)
+        cfg.norm_before_residual = False  # the residual is the un-normed state (EAGLE / SpecForge order)
         self.config = cfg
         hidden, vocab = cfg.hidden_size, cfg.vocab_size
         body = AutoModel.from_config(cfg)
@@ -96,12 +112,16 @@ class Eagle3Head(nn.Module):
     def project(self, aux_features: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_features.to(self.fc.weight.dtype))
 
-    def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None):
+    def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None,
+                ttt_aux=None, ttt_steps: int = 0, noise: float = 0.0, generator=None):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
 
         attention_mask: bool [B, 1, T, S] over all keys (cached + new), True = attend; None = causal
-        over the new positions after everything cached.
+        over the new positions after everything cached. With `ttt_aux` (training, through the
+        DeepSpeed engine's forward) it runs the whole unroll instead: see `ttt_forward`.
         """
+        if ttt_aux is not None:
+            return ttt_forward(self, input_ids, ttt_aux, attention_mask, ttt_steps, noise, generator)
         with torch.no_grad():
             emb = self.embed_tokens(input_ids).to(state.dtype)
         layer = self.layers[0]
