@@ -16,9 +16,10 @@ Plain autoregressive decoding is the same loop with `NoDraft` (K = 0), so the ba
 line of cache and sampling code with speculative decoding.
 
 Drafts implement `reset()` and `propose(seq, n, new_features, k, temperature, generator) ->
-(tokens [k'], q [k', V] or None)` with k' <= k; `new_features` are the target's last hidden states
-(post final norm) of the positions the target cached since the previous call, or None when the
-draft does not ask for them (`needs_features = False`).
+(tokens [k'], q [k', V] or None)` with k' <= k; `new_features` are what the draft's
+`features(hidden_states)` picks from the target's forward (EAGLE: the last hidden state, post final
+norm; EAGLE-3: the aux-layer states) for the positions the target cached since the previous call, or
+None when the draft reads none (`needs_features = False`).
 """
 from __future__ import annotations
 
@@ -144,11 +145,12 @@ def _stack(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]):
 # ----------------------------------------------------------------------------- target
 
 class Target:
-    """The target causal LM and its own KV cache."""
+    """The target causal LM and its own KV cache. `feature_fn(hidden_states) -> [1, n, F]` picks what
+    the draft reads from each forward (None: the draft reads nothing, hidden states are not kept)."""
 
-    def __init__(self, model, need_features: bool = False):
+    def __init__(self, model, feature_fn=None):
         self.model = model
-        self.need_features = need_features
+        self.feature_fn = feature_fn
         self.cache = None
 
     def reset(self) -> None:
@@ -160,8 +162,8 @@ class Target:
         logits_to_keep=1 skips the LM head on all but the last position (prefill needs none).
         """
         out = self.model(ids[None], past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.need_features, logits_to_keep=logits_to_keep)
-        features = out.hidden_states[-1][0] if self.need_features else None
+                         output_hidden_states=self.feature_fn is not None, logits_to_keep=logits_to_keep)
+        features = self.feature_fn(out.hidden_states)[0] if self.feature_fn is not None else None
         return out.logits[0], features
 
     def crop(self, n: int) -> None:
@@ -219,6 +221,10 @@ class EagleDraft:
         self.head = head.eval().requires_grad_(False)
         self.cache = None
 
+    @staticmethod
+    def features(hidden_states):
+        return hidden_states[-1]  # post final norm: the state the target's LM head reads
+
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.head.config)
 
@@ -242,15 +248,64 @@ class EagleDraft:
         return _stack(tokens, qs)
 
 
+class Eagle3Draft:
+    """EAGLE-3 head: reads the target's aux-layer states (fused by its fc), drafts over a reduced
+    vocabulary mapped back to target ids; its own output state feeds the next drafted position.
+    Same cache discipline as EagleDraft. At T>0, q is the draft-vocabulary distribution placed on
+    the target ids (zero elsewhere), which keeps the accept/residual rule exact."""
+    needs_features = True
+
+    def __init__(self, head):
+        self.head = head.eval().requires_grad_(False)
+        self.draft_ids = head.draft_ids
+        self.vocab = head.config.vocab_size
+        self.cache = None
+
+    def features(self, hidden_states):
+        return self.head.target_features(hidden_states, self.head.aux_layers)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.head.config)
+
+    def _pick(self, h, temperature, generator):
+        logits = self.head.logits(h)
+        if temperature == 0:
+            return self.draft_ids[logits.argmax(-1)], None
+        qd = probs_from_logits(logits, temperature)
+        q = torch.zeros(self.vocab, dtype=qd.dtype).index_copy_(0, self.draft_ids, qd)
+        return self.draft_ids[sample(qd, generator)], q
+
+    def propose(self, seq, n, new_features, k, temperature, generator):
+        m = 0 if new_features is None else new_features.shape[0]
+        real = n - 1 - m
+        crop_cache(self.cache, real)
+        if m == 0 or k == 0:
+            return _stack([], [])
+        pos = torch.arange(real, n - 1)[None]
+        h = self.head(seq[real + 1:n][None], self.head.project(new_features[None]), pos,
+                      past_key_values=self.cache)[:, -1:]
+        tokens, qs = [], []
+        for i in range(k):
+            tok, q = self._pick(h[0, -1], temperature, generator)
+            tokens.append(tok)
+            qs.append(q)
+            if i + 1 < k:
+                h = self.head(tok.view(1, 1), h, torch.tensor([[n - 1 + i]]), past_key_values=self.cache)
+        return _stack(tokens, qs)
+
+
 def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
     """Wrap a draft module (EagleHead or a causal LM) for the engine, checking its vocabulary first."""
     if draft is None:
         return NoDraft()
-    if isinstance(draft, (NoDraft, DraftLM, EagleDraft)) or hasattr(draft, "propose"):
+    if hasattr(draft, "propose"):  # already an engine draft
         return draft
     kind = getattr(draft, "kind", None)
     if kind == "eagle3":
-        raise SpecdistillError("draft.kind eagle3: decoding with an EAGLE-3 head is not implemented in the engine yet")
+        if target is not None and draft.config.vocab_size != vocab_size_of(target):
+            raise SpecdistillError(f"draft: EAGLE-3 head built for vocabulary size {draft.config.vocab_size}, "
+                                   f"the target's is {vocab_size_of(target)}")
+        return Eagle3Draft(draft)
     if target is not None:
         check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
     if kind == "eagle":
@@ -263,7 +318,7 @@ def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
 class SpeculativeDecoder:
     def __init__(self, target_model, draft=None, k: int = 4, eos_ids=(), target_tokenizer=None):
         self.draft = make_draft(draft, target_model, target_tokenizer)
-        self.target = Target(target_model, need_features=self.draft.needs_features)
+        self.target = Target(target_model, self.draft.features if self.draft.needs_features else None)
         self.k = k if not isinstance(self.draft, NoDraft) else 0
         self.eos_ids = set(eos_ids)
 

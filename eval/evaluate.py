@@ -115,19 +115,17 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     The continuation is the target's own greedy output. EAGLE heads read the target's real features
     (position t: token t+1 and f[t]), one step ahead, exactly as in training.
     """
-    is_eagle = getattr(draft, "kind", None) == "eagle"
+    kind = getattr(draft, "kind", None)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
     positions = 0
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
         seq = torch.tensor([prompt + cont])
-        out = target(seq, output_hidden_states=is_eagle)
+        out = target(seq, output_hidden_states=kind in ("eagle", "eagle3"))
         p_logits = out.logits[0]  # row j predicts token j+1
-        if is_eagle:
-            f = out.hidden_states[-1]
-            h = draft(seq[:, 1:], f[:, :-1])[0]  # row t predicts f[t+1], hence token t+2
-            q_logits = torch.cat([torch.zeros_like(p_logits[:1]), draft.logits(h)])[:p_logits.shape[0]]
+        if kind in ("eagle", "eagle3"):
+            q_logits = _eagle_logits(draft, kind, seq, out.hidden_states, p_logits)
         else:
             q_logits = draft(seq).logits[0]
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
@@ -141,8 +139,23 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         return {"positions": 0}
     out = {k: v / positions for k, v in sums.items()}
     out["predicted_alpha"] = 1.0 - out["tvd"]
-    return {**{k: out[k] for k in OFFLINE_KEYS}, "positions": positions, "temperature": 1.0,
+    if kind == "eagle3":  # q is zero outside the reduced draft vocabulary: KL(p||q) is infinite there
+        out["fkl"] = None
+        out["note"] = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
+    return {**out, "positions": positions, "temperature": 1.0,
             "continuations": "the target's own greedy outputs (baseline, T=0)"}
+
+
+def _eagle_logits(draft, kind, seq, hidden_states, p_logits):
+    """Head rows t read (token t+1, features at t) and predict token t+2 = target row t+1; row 0 has none."""
+    t = seq.shape[1]
+    if kind == "eagle":
+        q = draft.logits(draft(seq[:, 1:], hidden_states[-1][:, :-1])[0])
+    else:
+        state = draft.project(draft.target_features(hidden_states, draft.aux_layers)[:, :-1])
+        qd = draft.logits(draft(seq[:, 1:], state, torch.arange(t - 1)[None])[0])
+        q = torch.full((t - 1, p_logits.shape[-1]), float("-inf"), dtype=qd.dtype).index_copy_(1, draft.draft_ids, qd)
+    return torch.cat([torch.zeros_like(p_logits[:1]), q.to(p_logits.dtype)])
 
 
 # ----------------------------------------------------------------------------- one checkpoint

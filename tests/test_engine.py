@@ -35,6 +35,16 @@ def eagle_for(target):
     return EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
 
 
+def eagle3_for(target, draft_ids):
+    from specdistill.train.eagle3 import Eagle3Head
+
+    torch.manual_seed(8)
+    layers = target.config.num_hidden_layers
+    head = Eagle3Head(target.config, len(draft_ids), aux_layers=[0, layers // 2, layers])
+    head.set_draft_vocab(torch.tensor(draft_ids))
+    return head.bind_target(target.get_input_embeddings()).eval()
+
+
 class ConstantDraft:
     """A deliberately bad draft: always proposes the same token."""
     needs_features = False
@@ -64,6 +74,7 @@ def drafts_for(target):
         "self": target,  # the target drafting for itself: everything accepted
         "draft_lm": llama(512, seed=1, layers=1),
         "eagle": eagle_for(target),
+        "eagle3": eagle3_for(target, list(range(0, 512, 2))),  # a reduced draft vocabulary
         "constant0": ConstantDraft(0, 512),
     }
 
@@ -153,7 +164,8 @@ def first_two_pvalue(draft_name: str, runs: int = 1200) -> float:
     """Chi-square p-value of the engine's first two sampled tokens against p(t1, t2) computed directly."""
     vocab, temperature = 8, 1.0
     tgt = llama(vocab, seed=3, init=0.5)
-    draft = llama(vocab, seed=4, layers=1, init=0.5) if draft_name == "draft_lm" else eagle_for(tgt)
+    draft = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.5), "eagle": lambda: eagle_for(tgt),
+             "eagle3": lambda: eagle3_for(tgt, [0, 1, 2, 4, 5, 7])}[draft_name]()
     prompt = [1, 5, 2, 7]
     engine = SpeculativeDecoder(tgt, draft, k=2)
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
@@ -170,7 +182,7 @@ def first_two_pvalue(draft_name: str, runs: int = 1200) -> float:
     return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
 
 
-@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle"])
+@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle", "eagle3"])
 def test_sampling_distribution_matches_target(draft_name):
     assert first_two_pvalue(draft_name) > 1e-3
 

@@ -162,3 +162,19 @@ def test_leviathan_and_best_k():
     # high acceptance and cheap drafts favour long chains; near-zero acceptance favours K=1
     assert evaluate.best_k([0.9, 0.9, 0.9, 0.9], 1.0, 20.0)[0] == 4
     assert evaluate.best_k([0.05, 0.05, 0.05, 0.05], 5.0, 20.0)[0] == 1
+
+
+def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
+    from tests.test_engine import eagle3_for
+
+    recipe, target = setup
+    recipe.eval.temperature = 0.0
+    recipe.eval.k_sweep = []
+    recipe.eval.comparators = False
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)[:2]
+    draft = eagle3_for(target, list(range(0, target.config.vocab_size, 7)))
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
+    assert report["results"][0]["lossless"] is True and report["comparators"] == {}
+    offline = report["offline"]["prompts"]
+    assert offline["fkl"] is None and 0.0 <= offline["tvd"] <= 1.0 and offline["positions"] > 0
