@@ -265,7 +265,7 @@ def select_rows(recipe, dd, summary: dict, corpus_path: Path):
             raise SpecdistillError(f"{corpus_path}: prepared with different corpus settings "
                                    f"({', '.join('corpus.' + k for k in diff)}); rerun `specdistill prepare`")
     limit = recipe.corpus.max_rows
-    if limit is None or limit >= summary["rows_read"]:
+    if limit is None or limit >= summary.get("rows_read", limit):
         return dd, summary
     from datasets import DatasetDict
 
