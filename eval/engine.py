@@ -121,6 +121,13 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None,
                                    "a draft must use the target's tokenizer")
 
 
+def new_cache(config) -> DynamicCache:
+    """A KV cache that can be rolled back; sliding-window layers keep what a rollback needs."""
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()
+    return cache
+
+
 def crop_cache(cache, n: int) -> None:
     """Roll a KV cache back to its first n positions (a negative crop: the positive form is deprecated)."""
     extra = cache.get_seq_length() - n
@@ -154,7 +161,7 @@ class Target:
         self.cache = None
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
 
     def forward(self, ids: torch.Tensor, logits_to_keep: int = 0):
         """Run ids [n] after the cached prefix -> (logits [n, V], last hidden states [n, H] or None).
@@ -192,7 +199,7 @@ class DraftLM:
         self.cache = None
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
         crop_cache(self.cache, n - 1)  # drop rejected drafts; accepted ones are committed tokens now
@@ -226,7 +233,7 @@ class EagleDraft:
         return hidden_states[-1]  # post final norm: the state the target's LM head reads
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.head.config)
+        self.cache = new_cache(self.head.config)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
         m = 0 if new_features is None else new_features.shape[0]
@@ -265,7 +272,7 @@ class Eagle3Draft:
         return self.head.target_features(hidden_states, self.head.aux_layers)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.head.config)
+        self.cache = new_cache(self.head.config)
 
     def _pick(self, h, temperature, generator):
         logits = self.head.logits(h)

@@ -225,3 +225,24 @@ def test_greedy_identical_on_real_target(smollm, smollm_tokenizer):
         for name, draft in drafts.items():
             got = SpeculativeDecoder(smollm, draft, k=4, eos_ids=eos).decode(prompt, 32)
             assert got.tokens == want.tokens, name
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3"])
+def test_greedy_identical_with_sliding_window_target(model_type):
+    """Rolling back a sliding-window cache past its window needs recorded past states."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(model_type, vocab_size=512)
+    cfg.sliding_window, cfg.tie_word_embeddings, cfg.initializer_range = 8, False, 0.2
+    if model_type == "qwen3":
+        cfg.use_sliding_window, cfg.max_window_layers = True, 1
+    torch.manual_seed(0)
+    tgt = AutoModelForCausalLM.from_config(cfg).eval()
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(cfg).eval()
+    prompt = list(range(5, 25))  # longer than the window
+    want = SpeculativeDecoder(tgt, None).decode(prompt, 30).tokens
+    for draft in (tgt, other, eagle_for(tgt)):
+        assert SpeculativeDecoder(tgt, draft, k=3).decode(prompt, 30).tokens == want
