@@ -209,7 +209,7 @@ def shard_name(i: int) -> str:
 
 def check_fingerprints(old: dict, new: dict, cache_path: Path) -> None:
     """A cache made from anything else is never reused: name the part that differs."""
-    labels = {"target": "target", "tokenizer": "tokenizer", "corpus": "prepared corpus", "cache": "cache settings"}
+    labels = {"target": "target", "tokenizer": "tokenizer", "corpus": "prepared corpus", "cache": "cache configuration"}
     for key, label in labels.items():
         if old.get(key) != new.get(key):
             if key == "cache":
@@ -217,7 +217,8 @@ def check_fingerprints(old: dict, new: dict, cache_path: Path) -> None:
                 detail = f"keys {', '.join('cache.' + k for k in diff)}"
             else:
                 detail = f"was {old.get(key)}, now {new.get(key)}"
-            raise SpecdistillError(f"{cache_path}: this cache was made with a different {label} ({detail}); "
+            raise SpecdistillError(f"{cache_path}: this cache was made with a different {label} ({detail}), "
+                                   f"so it is not reused; "
                                    f"delete {cache_path} to rebuild it, or use another run_name")
 
 
@@ -280,6 +281,12 @@ def select_rows(recipe, dd, summary: dict, corpus_path: Path):
     return dd, summary
 
 
+def cache_settings(recipe, store: list[str]) -> dict:
+    """The cache keys that shape the shards: regenerate_* act through the corpus fingerprint, topk only when stored."""
+    skip = {k for k in type(recipe.cache).model_fields if k.startswith("regenerate")} | (set() if "topk" in store else {"topk"})
+    return recipe.cache.model_dump(mode="json", exclude=skip)
+
+
 def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokenizer=None) -> dict:
     """Cache the target's outputs for the prepared corpus at corpus_path into cache_path (resumable)."""
     from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_target_config, load_tokenizer
@@ -302,7 +309,7 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokeniz
     settings = {"store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype, "topk": recipe.cache.topk,
                 "batch_tokens": recipe.cache.batch_tokens}
     fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": fingerprint_tokenizer(tokenizer),
-                    "corpus": corpus_summary["fingerprint"], "cache": recipe.cache.model_dump(mode="json")}
+                    "corpus": corpus_summary["fingerprint"], "cache": cache_settings(recipe, store)}
     if corpus_summary.get("tokenizer") not in (None, fingerprints["tokenizer"]):
         raise SpecdistillError(f"{corpus_path}: prepared with another tokenizer than target {recipe.target.path}'s "
                                f"(fingerprint {corpus_summary['tokenizer']} vs {fingerprints['tokenizer']}); "

@@ -170,8 +170,11 @@ def test_a_cache_from_other_inputs_is_never_reused(tmp_path, tiny):
     corpus, cache = prepared(tmp_path, recipe, tokenizer), tmp_path / "cache"
     build_cache(recipe, corpus, cache, model=model, tokenizer=tokenizer)
 
+    # keys that cannot change the shards do not invalidate them (top-k is not stored for eagle)
+    assert build_cache(make_recipe(target, {"max_rows": 6}, {"topk": 4, "regenerate_batch_size": 3}), corpus,
+                       cache, model=model, tokenizer=tokenizer)["complete"]
     other_settings = make_recipe(target, {"max_rows": 6}, {"dtype": "float16"})
-    with pytest.raises(SpecdistillError, match=r"different cache settings \(keys cache.dtype\)"):
+    with pytest.raises(SpecdistillError, match=r"different cache configuration \(keys cache.dtype\)"):
         build_cache(other_settings, corpus, cache, model=model, tokenizer=tokenizer)
 
     other_corpus_recipe = make_recipe(target, {"max_rows": 7})
