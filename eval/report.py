@@ -379,7 +379,7 @@ def run(recipe, args) -> None:
         if not (root / name).is_dir():
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
     runs = {name: load_evals(root / name) for name in names}
-    out_dir = root / name if len(names) == 1 else root / f"compare-{'-'.join(names)}"
+    out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"
     path, headline = write_report(runs, out_dir, command)

@@ -193,7 +193,10 @@ def test_readme_has_serve_command_target_and_measurements(setup):
                                                   "lossless": True, "best_k": 5}]}))
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
     readme = (out / "README.md").read_text()
-    assert "tau 2.500, alpha 0.610" in readme and "not evaluated" not in readme
+    assert "- T=0, K=4: tau 2.500, alpha 0.610, speedup 1.40x, lossless yes, best K 5" in readme
+    assert "not evaluated" not in readme
+    assert "num_speculative_tokens 5: the best K measured at T=0" in readme
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
     assert '"num_speculative_tokens": 5' in readme  # the measured best K
     assert not list(out.parent.glob(".*"))  # no temp or old dirs left behind
 

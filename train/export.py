@@ -117,6 +117,8 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
         else:
             write_hf(step_dir, draft_cfg, recipe, target_config, tmp)
         write_readme(recipe, step_dir, draft_cfg, fmt, tmp, final_dir=out)
+        for f in tmp.iterdir():  # safetensors writes 0600; a serving process may run as another user
+            f.chmod(0o644)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -440,26 +442,31 @@ def eval_summary(run_dir: Path, checkpoint: str) -> tuple[dict | None, str]:
         raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
     lines = []
     for r in data.get("results", []):
-        lines.append(f"- T={r.get('temperature')}: tau {fmt_num(r.get('tau'))}, alpha {fmt_num(r.get('alpha'))}, "
-                     f"speedup {fmt_num(r.get('speedup'))}x, lossless {r.get('lossless')}, K={data.get('k')}")
-    where = (f"measured by `specdistill eval` on {data.get('num_prompts')} prompts of {data.get('prompts')}, "
-             f"max_new_tokens {data.get('max_new_tokens')}, hardware {data.get('hardware')}")
+        t = float(r.get("temperature", 0))
+        lossless = {True: "yes", False: "NO", None: "n/a (T>0)" if t > 0 else "—"}.get(r.get("lossless"))
+        lines.append(f"- T={t:g}, K={data.get('k')}: tau {fmt_num(r.get('tau'))}, alpha {fmt_num(r.get('alpha'))}, "
+                     f"speedup {fmt_num(r.get('speedup'), 2)}x, lossless {lossless}, best K {r.get('best_k', '—')}")
+    hw = data.get("hardware") or {}
+    where = (f"measured by `specdistill eval` ({path.name}) on {data.get('num_prompts')} prompts of "
+             f"{data.get('prompts')}, max_new_tokens {data.get('max_new_tokens')}, on "
+             f"{hw.get('cpu', '?')} ({hw.get('device', '?')}, {hw.get('threads', '?')} threads); "
+             "speedup is against plain decoding of the target in the same run, by specdistill's own engine.")
     return data, "\n".join(lines + ["", where]) if lines else "not evaluated"
 
 
-def fmt_num(x) -> str:
-    return "—" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+def fmt_num(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def speculative_tokens(recipe, step_dir: Path) -> int:
-    """export.num_speculative_tokens, else the measured best K at T=0, else eval.k."""
-    if recipe.export.num_speculative_tokens:
-        return recipe.export.num_speculative_tokens
-    data, _ = eval_summary(recipe.run_dir, step_dir.name)
-    for r in (data or {}).get("results", []):
-        if r.get("temperature") == 0 and r.get("best_k"):
-            return int(r["best_k"])
-    return recipe.eval.k
+def speculative_tokens(recipe, step_dir: Path, why: bool = False):
+    """export.num_speculative_tokens, else the measured best K at T=0, else eval.k (and why, if asked)."""
+    k, reason = recipe.export.num_speculative_tokens, "export.num_speculative_tokens"
+    if not k:
+        data, _ = eval_summary(recipe.run_dir, step_dir.name)
+        best = [r.get("best_k") for r in (data or {}).get("results", []) if r.get("temperature") == 0]
+        k, reason = (int(best[0]), "the best K measured at T=0 by `specdistill eval`") if best and best[0] \
+            else (recipe.eval.k, "eval.k (no measured best K)")
+    return (k, reason) if why else k
 
 
 def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
@@ -472,7 +479,7 @@ def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
 def write_readme(recipe, step_dir: Path, draft_cfg: dict, fmt: str, out: Path, final_dir: Path) -> None:
     fingerprint = (draft_cfg.get("target") or {}).get("fingerprint")
     _, measured = eval_summary(recipe.run_dir, step_dir.name)
-    k = speculative_tokens(recipe, step_dir)
+    k, k_reason = speculative_tokens(recipe, step_dir, why=True)
     text = f"""# {recipe.run_name} / {step_dir.name} — {fmt}
 
 Draft kind `{draft_cfg['kind']}`, step {draft_cfg.get('step')}, exported by
@@ -491,6 +498,7 @@ The head is only valid with this exact target.
 ```
 "method" is explicit: vLLM guesses it from the path only (`eagle-` -> eagle, `eagle3` -> eagle3,
 else draft_model), and an export directory may be moved or renamed.
+num_speculative_tokens {k}: {k_reason}.
 
 ## Measured
 {measured}
