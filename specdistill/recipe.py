@@ -89,6 +89,8 @@ class LossConfig(Section):
     feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")
     distribution_weight: float = Field(0.1, ge=0.0, description="eagle: weight of the distribution loss")
     feature_noise: float = Field(0.2, ge=0.0, description="eagle: uniform noise half-width, in units of feature std")
+    distribution_sample: float = Field(1.0, gt=0.0, le=1.0,
+                                       description="eagle: share of positions that pay for the full-vocabulary distribution loss")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight decay**s of unroll step s")
 
 

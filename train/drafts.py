@@ -159,7 +159,7 @@ def _valid(batch, key: str) -> torch.Tensor:
 
 
 def predict(kind: str, model, batch: dict, parts: TargetParts, noise: float = 0.0, feature_std: float = 1.0,
-            generator: torch.Generator | None = None) -> dict:
+            generator: torch.Generator | None = None, distribution_sample: float = 1.0) -> dict:
     """Draft and target predictions at the counted positions only (rows [M]).
 
     Returns q_logits [M, V] and either p_logits [M, V] (full vocabulary) or topk_logprobs/topk_ids/
@@ -168,13 +168,13 @@ def predict(kind: str, model, batch: dict, parts: TargetParts, noise: float = 0.
     """
     _require_kind(kind)
     if kind == "eagle":
-        return _predict_eagle(model, batch, parts, noise, feature_std, generator)
+        return _predict_eagle(model, batch, parts, noise, feature_std, generator, distribution_sample)
     if kind == "eagle3":
         return _predict_eagle3(model, batch, parts, noise, generator)
     return _predict_draft_lm(model, batch, parts)
 
 
-def _predict_eagle(model, batch, parts, noise, feature_std, generator):
+def _predict_eagle(model, batch, parts, noise, feature_std, generator, distribution_sample=1.0):
     if "hidden_last" not in batch:
         raise SpecdistillError("draft.kind eagle needs hidden_last in the cache (cache.store)")
     ids, h = batch["input_ids"], batch["hidden_last"].to(parts.lm_head.weight.dtype)
@@ -189,9 +189,14 @@ def _predict_eagle(model, batch, parts, noise, feature_std, generator):
     counted = torch.zeros(B, T - 1, dtype=torch.bool, device=ids.device)
     counted[:, :-1] = _valid(batch, "loss_mask")[:, 2:]
     f_hat, f = f_hat[counted], h[:, 1:][counted]
+    # The full-vocabulary projection dominates the cost of a step (49k x H per position, forward and
+    # backward): `loss.distribution_sample` < 1 spends it on a random share of the positions only.
+    keep = slice(None)
+    if distribution_sample < 1.0 and generator is not None and f.shape[0] > 1:
+        keep = torch.randperm(f.shape[0], generator=generator)[:max(1, round(f.shape[0] * distribution_sample))]
     with torch.no_grad():
-        p_logits = parts.lm_head(f)
-    return {"q_logits": parts.lm_head(f_hat), "p_logits": p_logits, "f_hat": f_hat, "f": f}
+        p_logits = parts.lm_head(f[keep])
+    return {"q_logits": parts.lm_head(f_hat[keep]), "p_logits": p_logits, "f_hat": f_hat, "f": f}
 
 
 def _predict_eagle3(model, batch, parts, noise, generator):

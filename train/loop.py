@@ -210,7 +210,8 @@ def _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, d
         batch = to_device(collate([data[i] for i in indices]), device)
         k = m * world + rank  # the micro batch's index in the global batch: same noise for any world size
         g = torch.Generator().manual_seed((tc.seed * 100_003 + step) * 65_536 + k)
-        pred = drafts.predict(kind, engine, batch, parts, recipe.loss.feature_noise, std, g)
+        pred = drafts.predict(kind, engine, batch, parts, recipe.loss.feature_noise, std, g,
+                              recipe.loss.distribution_sample)
         loss, components = drafts.training_loss(kind, pred, recipe.loss)
         values = all_mean(torch.stack([loss.detach(), *components.values()]), world)
         if not torch.isfinite(values).all():
