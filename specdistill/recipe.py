@@ -126,7 +126,7 @@ class EvalConfig(Section):
     checkpoints: Literal["all", "last"] = "all"
     comparators: bool = True
     seed: int = 0
-    tree: dict[str, int] | None = None
+    tree: dict[str, int | str | list[list[int]]] | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
 
 
 class ExportConfig(Section):
