@@ -284,7 +284,8 @@ def _select(tree: DraftTree, keep: list[int]) -> DraftTree:
     """The sub-tree of nodes `keep` (each one's parent kept too), in parent-first order."""
     keep = sorted(keep)
     new_index = {old: new for new, old in enumerate(keep)}
-    return DraftTree([tree.tokens[i] for i in keep], [new_index.get(tree.parents[i], -1) for i in keep],
+    parents = [new_index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]  # KeyError: not a tree
+    return DraftTree([tree.tokens[i] for i in keep], parents,
                      [tree.depths[i] for i in keep], [tree.scores[i] for i in keep], tree.forwards)
 
 
@@ -298,6 +299,10 @@ class TreeDecoder:
             raise SpecdistillError(f"tree decoding needs an EAGLE head (kind 'eagle' or 'eagle3'), got "
                                    f"{type(head).__name__}")
         self.shape = parse_tree(tree)
+        draft_vocab = head.lm_head.weight.shape[0]
+        widest = max((p[-1] + 1 for p in self.shape.paths), default=self.shape.top_k)
+        if widest > draft_vocab:
+            raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.model = target_model
         self.head = head
         self.chain_draft = make_draft(head, target_model)  # checks the vocabulary; also the T > 0 fallback

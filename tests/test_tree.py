@@ -227,6 +227,12 @@ def test_tree_shapes():
             parse_tree(bad)
 
 
+def test_tree_wider_than_the_draft_vocabulary_stops(target):
+    head = eagle3_for(target, list(range(8)))
+    with pytest.raises(SpecdistillError, match="eval.tree"):
+        TreeDecoder(target, head, {"depth": 2, "top_k": 9})
+
+
 def test_not_an_eagle_head_stops(target):
     with pytest.raises(SpecdistillError, match="EAGLE head"):
         TreeDecoder(target, llama(V, seed=1, layers=1), TREES["static"])
