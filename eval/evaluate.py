@@ -169,22 +169,34 @@ def _speedup(spec: dict, base: dict) -> float:
 
 
 def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperature, comparator_names, draft,
-                         eos, pad_id, label=""):
-    """Decode every prompt: baseline, K, the K sweep and (T=0) the comparators, interleaved per prompt."""
+                         eos, pad_id, label="", tree=None):
+    """Decode every prompt: baseline, K, the K sweep, (T=0) the tree and the comparators, interleaved per prompt."""
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
-    base_runs, spec_runs = [], {k: [] for k in ks}
+    base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     comp = {name: {"tokens": 0, "seconds": 0.0} for name in comparator_names}
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for k in ks:
             spec_runs[k].append(engine.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+        if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
+            tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for name in comparator_names:
             tokens, seconds = comparators.run_comparator(name, target, prompt.ids, eval_cfg.max_new_tokens, eos,
                                                          pad_id, draft=draft, k=eval_cfg.k)
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
-    return base_runs, spec_runs, comp
+    return base_runs, spec_runs, comp, tree_runs
+
+
+def summarise_tree(tree_cfg: dict, base_runs, tree_runs) -> dict:
+    """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
+    t, base = merge_counts(tree_runs), merge_counts(base_runs)
+    return {"shape": tree_cfg, "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
+            "speedup": _speedup(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
+            "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
+            "nodes_per_step": sum(r.tree_nodes for r in tree_runs) / max(1, t["steps"]),
+            "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
 
 
 def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) -> dict:
@@ -227,21 +239,32 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) ->
 
 
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
-                        draft_kind: str, heldout: dict | None) -> dict:
-    """Everything measured for one draft; the dict written to eval/<checkpoint>.json."""
+                        draft_kind: str, heldout: dict | None, with_comparators: bool = True) -> dict:
+    """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
+
+    Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
+    the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
+    """
     cfg = recipe.eval
     eos = eos_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     engine = SpeculativeDecoder(target, make_draft(draft, target), k=cfg.k, eos_ids=eos)
     baseline = SpeculativeDecoder(target, None, eos_ids=eos)
-    wanted = comparators.comparator_names(draft) if cfg.comparators else []
+    wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
+    tree = None
+    if cfg.tree and draft_kind in ("eagle", "eagle3"):
+        from specdistill.eval.tree import TreeDecoder
+
+        tree = TreeDecoder(target, draft, dict(cfg.tree), eos_ids=eos)
 
     results, comp_report, greedy_outputs = [], {}, None
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
-        base_runs, spec_runs, comp = evaluate_temperature(target, engine, baseline, prompts, cfg, temperature,
-                                                          names, draft, eos, pad_id, label=checkpoint)
+        base_runs, spec_runs, comp, tree_runs = evaluate_temperature(
+            target, engine, baseline, prompts, cfg, temperature, names, draft, eos, pad_id, label=checkpoint, tree=tree)
         result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k)
+        if tree_runs:
+            result["tree"] = summarise_tree(dict(cfg.tree), base_runs, tree_runs)
         results.append(result)
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
@@ -252,6 +275,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     comp_note = "transformers decoders, greedy (T=0), same prompts and max_new_tokens; speedup vs our baseline"
     if not cfg.comparators:
         comp_note = "skipped (eval.comparators: false)"
+    elif not with_comparators:
+        comp_note = "measured with the last checkpoint evaluated in this run (they do not depend on the draft)"
     elif not comp_report:
         comp_note = "skipped: comparators run at T=0 only and eval.temperature has no 0"
     if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
@@ -300,12 +325,19 @@ def run(recipe, args) -> list[Path]:
     for step_dir in steps:
         draft = load_draft(step_dir, target)
         step = int(layout.STEP_DIR.match(step_dir.name).group(1))
-        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step,
-                                     draft_kind(step_dir), heldout_metrics(step_dir))
+        kind = draft_kind(step_dir)
+        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step, kind,
+                                     heldout_metrics(step_dir),
+                                     with_comparators=step_dir == steps[-1] or kind == "draft_lm")
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
         write_json_atomic(out, report)
         for r in report["results"]:
             print(summary_line(report, r), flush=True)
+            if "tree" in r:
+                t = r["tree"]
+                print(f"{report['checkpoint']} T=0 tree {t['shape']}: tau {t['tau']:.2f}  speedup {t['speedup']:.2f}x  "
+                      f"{t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
+                      f"lossless {'yes' if t['lossless'] else 'NO'}", flush=True)
         for name, c in report["comparators"].items():
             print(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
                   f"speedup {c['speedup']:.2f}x vs our baseline", flush=True)

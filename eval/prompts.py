@@ -32,7 +32,7 @@ def _prompt_text(row: dict, field: str | None, where: str) -> str:
 
 
 def read_prompt_rows(spec: str, field: str | None, limit: int) -> list[tuple[str, str]]:
-    """(text, category) for the first `limit` rows of the JSONL named by `spec` (path or pypi:NAME)."""
+    """(text, category) for `limit` rows of the JSONL named by `spec` (path or pypi:NAME), spread over categories."""
     path = pypi_asset(spec) if spec.startswith("pypi:") else Path(spec).expanduser()
     if not path.is_file():
         raise SpecdistillError(f"eval.prompts {spec}: no such file")
@@ -49,11 +49,27 @@ def read_prompt_rows(spec: str, field: str | None, limit: int) -> list[tuple[str
             if not isinstance(row, dict):
                 raise SpecdistillError(f"{where}: expected a JSON object")
             rows.append((_prompt_text(row, field, where), str(row.get("category", "all"))))
-            if len(rows) == limit:
-                break
     if not rows:
         raise SpecdistillError(f"eval.prompts {path}: no prompts")
-    return rows
+    return spread_over_categories(rows, limit)
+
+
+def spread_over_categories(rows: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
+    """The first `limit` prompts taken round-robin over categories, in file order within each.
+
+    MT-bench is sorted by category (its first 10 rows are all 'writing'): a plain prefix would measure
+    one kind of traffic only.
+    """
+    by_cat: dict[str, list[tuple[str, str]]] = {}
+    for row in rows:
+        by_cat.setdefault(row[1], []).append(row)
+    picked, depth = [], 0
+    while len(picked) < min(limit, len(rows)):
+        for cat_rows in by_cat.values():
+            if depth < len(cat_rows) and len(picked) < limit:
+                picked.append(cat_rows[depth])
+        depth += 1
+    return picked
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

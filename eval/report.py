@@ -185,6 +185,28 @@ def tau_k_table(evals: list[dict], many_runs: bool) -> str:
     return table(header, rows)
 
 
+def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
+    """Chain and tree drafting of the same checkpoint on the same prompts at T=0 (trees are greedy-only)."""
+    header = ["checkpoint", "drafting", "τ", "α", "α per depth", "speedup", "ms / verify", "nodes / step", "lossless"]
+    rows = []
+    for e in evals:
+        r = result_at(e, 0.0)
+        if not r or "tree" not in r:
+            continue
+        t = r["tree"]
+        depth = lambda xs: ", ".join(num(a, 2) for a in xs or []) or DASH  # noqa: E731
+        rows.append([label(e, many_runs), f"chain K={e.get('k')}", num(r.get("tau")), num(r.get("alpha")),
+                     depth(r.get("alpha_at")), num(r.get("speedup"), 2), num(r.get("ms_per_verify"), 1),
+                     num(e.get("k")), num(r.get("lossless"))])
+        shape = ", ".join(f"{k}={v}" for k, v in t["shape"].items())
+        rows.append([label(e, many_runs), f"tree ({shape})", num(t["tau"]), num(t["alpha"]), depth(t["alpha_at"]),
+                     num(t["speedup"], 2), num(t["ms_per_verify"], 1), num(t["nodes_per_step"], 1),
+                     num(t["lossless"])])
+    if not rows:
+        return "No tree drafting in these runs (set `eval.tree` in the recipe for `eagle`/`eagle3` heads)."
+    return table(header, rows)
+
+
 def category_table(e: dict) -> str:
     rows = []
     for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
@@ -475,6 +497,12 @@ Speedups over our own plain autoregressive baseline of the same run (tokens/s in
 ![comparators]({figures['comparators.png'].name})
 
 *Best checkpoint {label(best, True)} against transformers' own generation modes. {footer}*
+
+## Chain vs tree drafting (T=0)
+For a tree, α per depth is the share of steps whose accepted path went one level deeper; its τ is the
+accepted path length + 1. At T>0 trees fall back to the exact chain (eval/tree.py).
+
+{chain_vs_tree_table(evals, many)}
 
 ## Where the time goes; α per draft depth
 {time_table(evals, many)}

@@ -178,3 +178,31 @@ def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
     assert report["results"][0]["lossless"] is True and report["comparators"] == {}
     offline = report["offline"]["prompts"]
     assert offline["fkl"] is None and 0.0 <= offline["tvd"] <= 1.0 and offline["positions"] > 0
+
+
+def test_mtbench_prompts_are_spread_over_categories(smollm_tokenizer):
+    from specdistill.recipe import EvalConfig
+
+    prompts = load_prompts(EvalConfig(num_prompts=16), smollm_tokenizer)
+    cats = [p.category for p in prompts]
+    assert len(set(cats)) == 8 and all(cats.count(c) == 2 for c in set(cats))
+
+
+def test_tree_drafting_is_measured_beside_the_chain(setup, tmp_path):
+    from specdistill.eval import report as report_mod
+
+    recipe, target = setup
+    recipe.eval.temperature = [0.0, 1.0]
+    recipe.eval.k_sweep = []
+    recipe.eval.comparators = False
+    recipe.eval.tree = {"kind": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6}
+    step_dir = write_eagle_checkpoint(recipe, target, 1)
+    written = evaluate.run(recipe, argparse.Namespace(checkpoint="all"))
+    report = json.loads(written[0].read_text())
+    greedy, sampled = report["results"]
+    tree = greedy["tree"]
+    assert tree["lossless"] is True and tree["tau"] >= 1.0 and tree["nodes_per_step"] > 0
+    assert len(tree["alpha_at"]) == 3 and "tree" not in sampled  # trees are greedy-only
+    path, _ = report_mod.write_report({"tiny": report_mod.load_evals(recipe.run_dir)}, tmp_path / "rep", "specdistill report")
+    text = path.read_text()
+    assert "## Chain vs tree drafting (T=0)" in text and "tree (kind=dynamic" in text and "chain K=3" in text
