@@ -30,6 +30,15 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 49152, seed: int = 0
     return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, layers)).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Decoding tiny models is latency-bound: one OpenMP thread beats two on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
     from specdistill.recipe import TargetConfig

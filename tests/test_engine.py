@@ -12,13 +12,7 @@ from specdistill.eval.engine import EagleDraft, SpeculativeDecoder, eos_token_id
 from specdistill.train.eagle import EagleHead
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode latency-bound; two OpenMP threads on a shared, loaded 2-core box are 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def llama(vocab: int, seed: int, layers: int = 2, init: float = 0.2):

@@ -26,12 +26,7 @@ TOP_KEYS = {"checkpoint", "step", "draft_kind", "target", "prompts", "num_prompt
             "hardware", "offline", "results", "comparators"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture()

@@ -21,12 +21,7 @@ TREES = {"static": {"kind": "static", "depth": 3, "top_k": 2},
          "dynamic": {"kind": "dynamic", "depth": 4, "top_k": 3, "total_tokens": 10}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
