@@ -228,9 +228,14 @@ class EagleDraft:
         self.head = head.eval().requires_grad_(False)
         self.cache = None
 
-    @staticmethod
-    def features(hidden_states):
+    def features(self, hidden_states):
         return hidden_states[-1]  # post final norm: the state the target's LM head reads
+
+    def project(self, features):
+        return features  # EAGLE-1 reads the feature itself
+
+    def pick(self, h, temperature, generator):
+        return _pick(self.head.logits(h), temperature, generator)
 
     def reset(self) -> None:
         self.cache = new_cache(self.head.config)
@@ -242,63 +247,42 @@ class EagleDraft:
         if m == 0 or k == 0:
             return _stack([], [])
         pos = torch.arange(real, n - 1)[None]
-        h = self.head(seq[real + 1:n][None], new_features[None], position_ids=pos,
+        h = self.head(seq[real + 1:n][None], self.project(new_features[None]), pos,
                       past_key_values=self.cache)[:, -1:]
         tokens, qs = [], []
         for i in range(k):
-            tok, q = _pick(self.head.logits(h[0, -1]), temperature, generator)
+            tok, q = self.pick(h[0, -1], temperature, generator)
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
-                h = self.head(tok.view(1, 1), h, position_ids=torch.tensor([[n - 1 + i]]),
-                              past_key_values=self.cache)
+                h = self.head(tok.view(1, 1), h, torch.tensor([[n - 1 + i]]), past_key_values=self.cache)
         return _stack(tokens, qs)
 
 
-class Eagle3Draft:
+class Eagle3Draft(EagleDraft):
     """EAGLE-3 head: reads the target's aux-layer states (fused by its fc), drafts over a reduced
     vocabulary mapped back to target ids; its own output state feeds the next drafted position.
     Same cache discipline as EagleDraft. At T>0, q is the draft-vocabulary distribution placed on
     the target ids (zero elsewhere), which keeps the accept/residual rule exact."""
-    needs_features = True
 
     def __init__(self, head):
-        self.head = head.eval().requires_grad_(False)
+        super().__init__(head)
         self.draft_ids = head.draft_ids
         self.vocab = head.config.vocab_size
-        self.cache = None
 
     def features(self, hidden_states):
         return self.head.target_features(hidden_states, self.head.aux_layers)
 
-    def reset(self) -> None:
-        self.cache = new_cache(self.head.config)
+    def project(self, features):
+        return self.head.project(features)
 
-    def _pick(self, h, temperature, generator):
+    def pick(self, h, temperature, generator):
         logits = self.head.logits(h)
         if temperature == 0:
             return self.draft_ids[logits.argmax(-1)], None
         qd = probs_from_logits(logits, temperature)
         q = torch.zeros(self.vocab, dtype=qd.dtype).index_copy_(0, self.draft_ids, qd)
         return self.draft_ids[sample(qd, generator)], q
-
-    def propose(self, seq, n, new_features, k, temperature, generator):
-        m = 0 if new_features is None else new_features.shape[0]
-        real = n - 1 - m
-        crop_cache(self.cache, real)
-        if m == 0 or k == 0:
-            return _stack([], [])
-        pos = torch.arange(real, n - 1)[None]
-        h = self.head(seq[real + 1:n][None], self.head.project(new_features[None]), pos,
-                      past_key_values=self.cache)[:, -1:]
-        tokens, qs = [], []
-        for i in range(k):
-            tok, q = self._pick(h[0, -1], temperature, generator)
-            tokens.append(tok)
-            qs.append(q)
-            if i + 1 < k:
-                h = self.head(tok.view(1, 1), h, torch.tensor([[n - 1 + i]]), past_key_values=self.cache)
-        return _stack(tokens, qs)
 
 
 def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
