@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 
+def require_same_names(expected: set[str], state: dict, what: str) -> None:
+    """A checkpoint must hold exactly the head's own tensors: a missing one would load as garbage."""
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"{what} weights do not match: missing {missing}, unexpected {extra}")
+
+
 def one_layer_config(target_config, num_layers: int = 1):
     cfg = copy.deepcopy(target_config)
     cfg.num_hidden_layers = num_layers
@@ -72,10 +79,7 @@ class EagleHead(nn.Module):
         return {k: v.detach().contiguous() for k, v in state.items()}
 
     def load_own_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.own_state_dict())
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"EAGLE head weights do not match: missing {missing}, unexpected {extra}")
+        require_same_names(set(self.own_state_dict()), state, "EAGLE head")
         self.fc.weight.data.copy_(state["fc.weight"])
         body = {k: v for k, v in state.items() if k != "fc.weight"}
         self.body.load_state_dict(body, strict=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdistill.train.eagle import one_layer_config
+from specdistill.train.eagle import one_layer_config, require_same_names
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -144,10 +144,7 @@ class Eagle3Head(nn.Module):
         return {k: v.detach().contiguous() for k, v in state.items()}
 
     def load_own_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.own_state_dict())
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"EAGLE-3 head weights do not match: missing {missing}, unexpected {extra}")
+        require_same_names(set(self.own_state_dict()), state, "EAGLE-3 head")
         self.load_state_dict(state, strict=False)
 
 
