@@ -156,8 +156,9 @@ def test_eos_stops_like_the_baseline(target, heads):
 
 # ----------------------------------------------------------------------------- trees
 
-def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
-    decoder = TreeDecoder(target, heads["eagle3"], TREES["dynamic"])
+def draft_one_tree(target, head, tree_cfg):
+    """Prefill the first prompt and draft one tree: (decoder, seq, n, features, tree)."""
+    decoder = TreeDecoder(target, head, tree_cfg)
     decoder.target.reset()
     decoder.drafter.reset()
     seq = torch.tensor(PROMPTS[0] + [0] * 8)
@@ -165,6 +166,11 @@ def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
     with torch.no_grad():
         _, feats = decoder.target.forward(seq[:n - 1])
         tree = decoder.draft_tree(seq, n, feats, 4)
+    return decoder, seq, n, feats, tree
+
+
+def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
+    decoder, seq, n, feats, tree = draft_one_tree(target, heads["eagle3"], TREES["dynamic"])
     assert len(tree.tokens) == 10 and tree.forwards == 4
     assert max(tree.depths) <= 4
     for i, p in enumerate(tree.parents):
@@ -195,14 +201,8 @@ def chain_score(head, seq, n, feats, path):
 def test_every_drafted_node_matches_a_plain_chain_run(target, heads, head_name, tree_name):
     """The head's tree mask and positions: each node scores what a plain run along its own path gives."""
     head = heads[head_name]
-    decoder = TreeDecoder(target, head, TREES[tree_name])
-    decoder.target.reset()
-    decoder.drafter.reset()
-    seq = torch.tensor(PROMPTS[0] + [0] * 8)
-    n = len(PROMPTS[0])
+    decoder, seq, n, feats, tree = draft_one_tree(target, head, TREES[tree_name])
     with torch.no_grad():
-        _, feats = decoder.target.forward(seq[:n - 1])
-        tree = decoder.draft_tree(seq, n, feats, 4)
         assert max(tree.depths) >= 2
         for i in range(len(tree.tokens)):
             path, j = [], i
