@@ -116,5 +116,10 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     target = load_target(recipe.target)
     head = drafts.load_draft(steps[-1], target)
     assert head.kind == "eagle3" and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
+    from specdistill.data.cache_reader import CacheDataset
+    from specdistill.train.loop import aux_feature_std
+
+    std = aux_feature_std(CacheDataset(layout.cache_dir(recipe.run_dir), "train"))
+    assert torch.allclose(head.aux_scale, 1 / std) and not torch.allclose(std, torch.ones_like(std))
     ids = head.draft_ids
     assert bool((ids[1:] > ids[:-1]).all()) and head.lm_head.weight.shape[0] == 128

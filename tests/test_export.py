@@ -437,6 +437,22 @@ def test_vllm_eagle3_matches_vllm_loader_table(setup):
     assert '"method": "eagle3"' in readme
 
 
+def test_eagle3_export_folds_the_aux_scaling_into_fc(setup):
+    recipe, target = setup
+    scale = torch.rand(3 * H) + 0.5
+
+    def add_scale(state, config):
+        state["aux_scale"] = scale
+
+    step_dir, state, _ = make_eagle3_checkpoint(recipe, target.config, edit=add_scale)
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle3")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "aux_scale" not in f.keys()
+        fc = f.get_tensor("fc.weight")
+    aux = torch.randn(5, 3 * H) * 20  # vLLM's fc reads the raw aux states
+    assert torch.allclose(aux @ fc.T, (aux * scale) @ state["fc.weight"].T, rtol=1e-4, atol=1e-3)
+
+
 def test_eagle3_full_vocab_drops_d2t(setup):
     recipe, target = setup
     step_dir, _, _ = make_eagle3_checkpoint(recipe, target.config, vd=V, midlayer=False)

@@ -75,7 +75,7 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
                 return EagleHead(target_config)
         return EagleHead(target_config).bind_target(target_embed, target_lm_head)
     if kind == "eagle3":
-        return _build_eagle3(recipe, target_config, target_embed, weights)
+        return _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights)
     if weights and target_dir is None:
         from specdistill.target import resolve_target
 
@@ -83,7 +83,7 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
     return draft_lm.build_draft_lm(recipe.draft, target_config, target_dir, weights=weights)
 
 
-def _build_eagle3(recipe, target_config, target_embed, weights: bool):
+def _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights: bool):
     vocab = target_config.vocab_size
     vd = min(recipe.draft.draft_vocab_size or 32000, vocab)
     aux = recipe.cache.aux_layers or eagle3.default_aux_layers(target_config.num_hidden_layers)
@@ -94,6 +94,9 @@ def _build_eagle3(recipe, target_config, target_embed, weights: bool):
     head.config.ttt_steps = recipe.draft.ttt_steps
     counts = eagle3.trained_token_counts(recipe.run_dir, vocab)
     head.set_draft_vocab(eagle3.draft_vocab_from_counts(counts, vd))
+    if target_lm_head is not None and target_dir is not None:
+        norm = draft_lm.read_target_tensors(target_dir, ["model.norm.weight"]).get("model.norm.weight")
+        head.init_readout(target_lm_head.weight, norm)
     return head.bind_target(target_embed)
 
 
@@ -213,27 +216,32 @@ def _predict_eagle3(model, batch, parts, noise, generator):
     ids, att = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
     dtype = parts.lm_head.weight.dtype
-    aux = batch["hidden_aux"].to(dtype).flatten(2)  # [B, T, A*H]
-    logits = model(ids, None, None, None, att, ttt_aux=aux, ttt_steps=head.config.ttt_steps,
-                   noise=noise, generator=generator)
-    draft_ids = head.draft_ids
-    with torch.no_grad():
-        p_all = batch["hidden_last"].to(dtype) @ parts.lm_head.weight[draft_ids].T  # [B, T, Vd]
     trained = _valid(batch, "loss_mask")
     in_vocab = head.t2d[ids]
+    first = torch.zeros(B, T, dtype=torch.bool, device=ids.device)  # step 0, every trained position
+    first[:, :T - 2] = trained[:, 2:]
+    counted = []  # step s: trained and inside the draft vocabulary
+    for s in range(head.config.ttt_steps):
+        c = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
+        if T - 2 - s > 0:
+            c[:, :T - 2 - s] = (trained & in_vocab)[:, 2 + s:]
+        counted.append(c)
+    aux = batch["hidden_aux"].to(dtype).flatten(2)  # [B, T, A*H]
+    logits = model(ids, None, None, None, att, ttt_aux=aux, ttt_steps=head.config.ttt_steps,
+                   noise=noise, generator=generator, ttt_keep=[first] + counted[1:])
+    draft_ids = head.draft_ids
+    last = batch["hidden_last"].to(dtype)
     steps = []
-    for s, q in enumerate(logits):
-        counted = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
+    for s, (c, q) in enumerate(zip(counted, logits)):
         if T - 2 - s <= 0:
             break
-        counted[:, :T - 2 - s] = (trained & in_vocab)[:, 2 + s:]
-        p = torch.zeros_like(p_all)
-        p[:, :T - 1 - s] = p_all[:, 1 + s:]
-        steps.append({"q_logits": q[counted], "p_logits": p[counted]})
-    first = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
-    first[:, :T - 2] = trained[:, 2:]
+        if s == 0:
+            q = q[c[first]]
+        with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
+            p = last[:, 1 + s:][c[:, :T - 1 - s]] @ parts.lm_head.weight[draft_ids].T
+        steps.append({"q_logits": q, "p_logits": p})
     return {**steps[0], "steps": steps, "draft_ids": draft_ids,
-            "metric_q_logits": logits[0][first], "metric_f": batch["hidden_last"][:, 1:][first[:, :T - 1]].to(dtype)}
+            "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
 
 
 def _predict_draft_lm(model, batch, parts):

@@ -81,16 +81,31 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
+        # Pre-norm residual states spread ~1 to ~1000 per dimension (a few "massive" dimensions); Adam
+        # learns fc far faster on unit-scale inputs. fc reads aux * aux_scale; export folds it into fc.
+        self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden))
         self.embed_tokens: nn.Embedding | None = None
 
     @property
     def aux_layers(self) -> list[int]:
         return list(self.config.eagle_aux_hidden_state_layer_ids)
 
+    def set_aux_scale(self, aux_std: torch.Tensor) -> None:
+        """aux_std: per-dimension std of the cached aux features [A*H]; fc then sees unit-scale inputs."""
+        self.aux_scale.copy_(1.0 / aux_std.clamp_min(1e-3))
+
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         d2t, t2d = vocab_maps(draft_ids, self.config.vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def init_readout(self, target_lm_head: torch.Tensor, target_norm: torch.Tensor | None) -> None:
+        """Start the readout as the target's own (its LM head rows of the draft vocabulary, its final norm):
+        the head then only has to learn to produce target-like final states, not a vocabulary from scratch."""
+        self.lm_head.weight.copy_(target_lm_head[self.draft_ids.to(target_lm_head.device)])
+        if target_norm is not None:
+            self.norm.weight.copy_(target_norm)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -110,10 +125,10 @@ class Eagle3Head(nn.Module):
         return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)
 
     def project(self, aux_features: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux_features.to(self.fc.weight.dtype))
+        return self.fc(aux_features.to(self.fc.weight.dtype) * self.aux_scale.to(self.fc.weight.dtype))
 
     def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None,
-                ttt_aux=None, ttt_steps: int = 0, noise: float = 0.0, generator=None):
+                ttt_aux=None, ttt_steps: int = 0, noise: float = 0.0, generator=None, ttt_keep=None):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
 
         attention_mask: bool [B, 1, T, S] over all keys (cached + new), True = attend; None = causal
@@ -121,7 +136,7 @@ class Eagle3Head(nn.Module):
         DeepSpeed engine's forward) it runs the whole unroll instead: see `ttt_forward`.
         """
         if ttt_aux is not None:
-            return ttt_forward(self, input_ids, ttt_aux, attention_mask, ttt_steps, noise, generator)
+            return ttt_forward(self, input_ids, ttt_aux, attention_mask, ttt_steps, noise, generator, ttt_keep)
         with torch.no_grad():
             emb = self.embed_tokens(input_ids).to(state.dtype)
         layer = self.layers[0]
@@ -170,11 +185,13 @@ def ttt_mask(length: int, step: int, key_padding: torch.Tensor) -> torch.Tensor:
 
 
 def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps: int, noise: float = 0.0,
-                generator=None) -> list[torch.Tensor]:
+                generator=None, keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Unroll the head `steps` times over a batch (training-time test).
 
     Step s at position t reads token x[t+1+s] and predicts token x[t+2+s]; returns the draft-vocab logits
     of each step, [B, T, Vd]; positions whose inputs fall past the sequence are the caller's to mask.
+    keep: one bool [B, T] per step; only those positions get logits, [n_s, Vd] (the LM head is about
+    half a step's cost, and prompt tokens are not trained).
     """
     from transformers import DynamicCache
 
@@ -191,5 +208,5 @@ def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps
         ids[:, :T - 1 - s] = input_ids[:, 1 + s:]
         mask = ttt_mask(T, s, attention_mask)
         state = head(ids, state, base + s, past_key_values=cache, attention_mask=mask)
-        outs.append(head.logits(state))
+        outs.append(head.logits(state if keep is None else state[keep[s]]))
     return outs

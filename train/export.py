@@ -279,6 +279,9 @@ def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.
     weights = step_dir / "draft.safetensors"
     state = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(weights).items()}
     t2d = state.pop("t2d", None)  # vLLM ignores it; rebuilt from d2t below
+    aux_scale = state.pop("aux_scale", None)  # vLLM's fc reads the raw aux states: fold the scaling in
+    if aux_scale is not None and "fc.weight" in state:
+        state["fc.weight"] = (state["fc.weight"].float() * aux_scale.float()[None, :]).to(state["fc.weight"].dtype)
     vocab, vd = target_config.vocab_size, cfg.get("draft_vocab_size") or cfg["vocab_size"]
     if vd == vocab:
         state.pop("d2t", None)  # vLLM 0.33 has no draft_id_to_target_id then: a d2t would fail to load

@@ -105,6 +105,12 @@ def feature_std(dataset, n: int = 8) -> float:
     return torch.cat(xs).std().item() if xs else 1.0
 
 
+def aux_feature_std(dataset, n: int = 8) -> torch.Tensor:
+    """Per-dimension std of the cached EAGLE-3 aux features [A*H] over the first sequences (deterministic)."""
+    xs = [dataset[i]["hidden_aux"].float().flatten(1) for i in range(min(n, len(dataset)))]
+    return torch.cat(xs).std(0)
+
+
 def _heldout_batches(cache, recipe, device) -> list[dict]:
     from specdistill.data.cache_reader import CacheDataset, collate
 
@@ -154,6 +160,8 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
     parts = drafts.load_target_parts(recipe.target, device, dtype)
     draft = drafts.build_draft(recipe, parts.config, parts.embed, parts.lm_head, target_dir=parts.where)
+    if kind == "eagle3":  # a fixed input scaling, the same on every rank and every resume
+        draft.set_aux_scale(aux_feature_std(data))
     trainable = [p for p in draft.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=draft, model_parameters=trainable,
                                            config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
