@@ -207,6 +207,37 @@ def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
     return table(header, rows)
 
 
+def methods_table(runs: dict[str, list[dict]]) -> str:
+    """Each run's last checkpoint (equal training budget when the recipes match), chain and tree drafting,
+    side by side at every temperature. Trees are greedy-only: at T>0 their row repeats the exact chain."""
+    temps = temperatures([e for es in runs.values() for e in es])
+    header = ["run", "checkpoint", "drafting"]
+    for t in temps:
+        header += [f"τ T={num(t, 1)}", f"α T={num(t, 1)}", f"speedup T={num(t, 1)}"]
+    rows = []
+    for name, evals in runs.items():
+        if not evals:
+            continue
+        e = max(evals, key=lambda x: x["step"])
+        chain = [name, e["checkpoint"], f"chain K={e.get('k')}"]
+        tree = [name, e["checkpoint"], "tree"]
+        for t in temps:
+            r = result_at(e, t)
+            chain += [num(r.get("tau")), num(r.get("alpha")), num(r.get("speedup"), 2)]
+            tr = r.get("tree")
+            if tr:
+                tree += [num(tr["tau"]), num(tr["alpha"]), num(tr["speedup"], 2)]
+            elif t > 0 and "tree" in result_at(e, 0.0):
+                tree += ["(chain)"] * 3
+            else:
+                tree += [DASH] * 3
+        rows.append(chain)
+        if "tree" in result_at(e, 0.0):
+            tree[2] = "tree (" + ", ".join(f"{k}={v}" for k, v in result_at(e, 0.0)["tree"]["shape"].items()) + ")"
+            rows.append(tree)
+    return table(header, rows)
+
+
 def category_table(e: dict) -> str:
     rows = []
     for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
@@ -446,6 +477,17 @@ def best_k_notes(evals: list[dict]) -> str:
     return ("\n\n" + "\n".join(f"Best K (eval): {n}" for n in found)) if found else ""
 
 
+def methods_section(runs) -> str:
+    return f"""## Runs side by side (last checkpoint of each run)
+Same prompts and lengths; speedup against each run's own baseline measured in the same eval. `(chain)`:
+trees are verified greedily, so at T>0 the tree drafter falls back to the exact chain (eval/tree.py) and
+its numbers are the chain's.
+
+{methods_table(runs)}
+
+"""
+
+
 def render(runs, evals, many, best, headline, footer, command, figures) -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
@@ -498,7 +540,7 @@ Speedups over our own plain autoregressive baseline of the same run (tokens/s in
 
 *Best checkpoint {label(best, True)} against transformers' own generation modes. {footer}*
 
-## Chain vs tree drafting (T=0)
+{methods_section(runs) if many else ""}## Chain vs tree drafting (T=0)
 For a tree, α per depth is the share of steps whose accepted path went one level deeper; its τ is the
 accepted path length + 1. At T>0 trees fall back to the exact chain (eval/tree.py).
 

@@ -120,10 +120,19 @@ def test_cli(recipe, tmp_path):
 def test_compare_runs(recipe, capsys):
     root = recipe.run_dir.parent
     write_run(root, "runA", [eval_json(200, 0.55, 1.31)])
-    write_run(root, "runB", [eval_json(200, 0.70, 1.62), eval_json(400, 0.66, 1.50)])
+    last_b = eval_json(400, 0.66, 1.50)
+    last_b["results"][0]["tree"] = {"shape": {"kind": "dynamic", "depth": 4}, "tau": 2.5, "alpha": 0.71,
+                                    "alpha_at": [0.8, 0.6], "speedup": 1.7, "ms_per_verify": 30.0,
+                                    "nodes_per_step": 9.5, "lossless": True}
+    write_run(root, "runB", [eval_json(200, 0.70, 1.62), last_b])
     report.run(recipe, argparse.Namespace(runs=["runA", "runB"]))
     out_dir = root / "compare-runA-runB"
     md = (out_dir / "report.md").read_text()
+    side = md.split("## Runs side by side")[1].split("##")[0]  # last checkpoint of each run, chain and tree
+    assert "| runA | step-0000200 | chain K=4 | 2.100 | 0.550 | 1.31 | 1.900 | 0.450 | 1.11 |" in side
+    assert "| runB | step-0000400 | chain K=4 | 2.320 | 0.660 | 1.50 |" in side
+    assert "| runB | step-0000400 | tree (kind=dynamic, depth=4) | 2.500 | 0.710 | 1.70 | (chain) | (chain) | (chain) |" in side
+    assert "runB | step-0000200" not in side and "runA | step-0000200 | tree" not in side
     assert "| runA/step-0000200 | 200 |" in md and "| runB/step-0000200 | 200 |" in md
     assert "| runB/step-0000400 | 400 |" in md
     assert "--runs runA runB" in md
