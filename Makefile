@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine: `make distill` and `make test`.
-RECIPE ?= recipes/smollm2-135m-eagle.yaml
+RECIPE ?= recipes/smollm2-135m-eagle3.yaml
 ARGS ?=
 PY := .venv/bin/python
 SPECDISTILL := .venv/bin/specdistill

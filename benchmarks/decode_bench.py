@@ -27,7 +27,7 @@ def _draft_for(recipe, target):
     return draft.eval().requires_grad_(False), "untrained", None
 
 
-def main(recipe_path: str = "recipes/smollm2-135m-eagle.yaml", overrides: list[str] = ()) -> dict:
+def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = ()) -> dict:
     from specdistill.eval import evaluate
     from specdistill.eval.prompts import load_prompts
     from specdistill.recipe import load_recipe
@@ -57,4 +57,4 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle.yaml", overrides: list[s
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(*(args[:1] or ["recipes/smollm2-135m-eagle.yaml"]), overrides=args[1:])
+    main(*(args[:1] or ["recipes/smollm2-135m-eagle3.yaml"]), overrides=args[1:])

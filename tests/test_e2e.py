@@ -8,24 +8,26 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-RECIPE = "recipes/smollm2-135m-eagle.yaml"
+# The default recipe (EAGLE-3, what `make distill` runs) and the EAGLE-1 one.
+RECIPES = {"recipes/smollm2-135m-eagle3.yaml": "vllm-eagle3", "recipes/smollm2-135m-eagle.yaml": "vllm-eagle"}
 TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=6", "train.save_every=3",
        "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=16",
        "eval.temperature=[0, 1]", "eval.comparators=false", "run_name=e2e"]
 
 
-def specdistill(stage, env, *extra):
-    cmd = [sys.executable, "-m", "specdistill.cli", stage, "--recipe", RECIPE, *TOY, *extra]
+def specdistill(recipe, stage, env, *extra):
+    cmd = [sys.executable, "-m", "specdistill.cli", stage, "--recipe", recipe, *TOY, *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{stage} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
 
-def test_make_distill_pipeline_on_default_target(tmp_path):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_make_distill_pipeline_on_default_target(tmp_path, recipe):
     env = dict(os.environ, SPECDISTILL_CHECKPOINTS=str(tmp_path), DS_ACCELERATOR="cpu",
                TOKENIZERS_PARALLELISM="false")
     for stage in ["prepare", "cache", "train", "eval", "report", "export"]:
-        specdistill(stage, env)
+        specdistill(recipe, stage, env)
     run = tmp_path / "e2e"
     manifest = json.loads((run / "cache" / "manifest.json").read_text())
     assert manifest["hidden_size"] == 576
@@ -36,4 +38,4 @@ def test_make_distill_pipeline_on_default_target(tmp_path):
     assert by_t[0.0]["lossless"] is True
     assert 1.0 <= by_t[0.0]["tau"] <= 5.0 and 1.0 <= by_t[1.0]["tau"] <= 5.0
     assert (run / "report.md").exists()
-    assert (run / "export" / "vllm-eagle" / "model.safetensors").exists()
+    assert (run / "export" / RECIPES[recipe] / "model.safetensors").exists()
