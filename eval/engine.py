@@ -143,6 +143,14 @@ def _pick(logits: torch.Tensor, temperature: float, generator):
     return sample(q, generator), q
 
 
+def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
+    """The tokens a step commits, up to and including the first EOS; and whether one was hit."""
+    for i, tok in enumerate(new):
+        if tok in eos_ids:
+            return new[:i + 1], True
+    return new, False
+
+
 def _stack(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]):
     ids = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)
     q = torch.stack(qs) if qs and qs[0] is not None else None
@@ -234,6 +242,9 @@ class EagleDraft:
     def project(self, features):
         return features  # EAGLE-1 reads the feature itself
 
+    def to_target(self, ids):
+        return ids  # EAGLE-1 drafts over the target's own vocabulary
+
     def pick(self, h, temperature, generator):
         return _pick(self.head.logits(h), temperature, generator)
 
@@ -276,13 +287,16 @@ class Eagle3Draft(EagleDraft):
     def project(self, features):
         return self.head.project(features)
 
+    def to_target(self, ids):
+        return self.draft_ids[ids]
+
     def pick(self, h, temperature, generator):
         logits = self.head.logits(h)
         if temperature == 0:
-            return self.draft_ids[logits.argmax(-1)], None
+            return self.to_target(logits.argmax(-1)), None
         qd = probs_from_logits(logits, temperature)
         q = torch.zeros(self.vocab, dtype=qd.dtype).index_copy_(0, self.draft_ids, qd)
-        return self.draft_ids[sample(qd, generator)], q
+        return self.to_target(sample(qd, generator)), q
 
 
 def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
@@ -350,12 +364,7 @@ class SpeculativeDecoder:
                 a, nxt = verify_chain(probs_from_logits(logits, temperature), q, drafts, generator)
             seq[n + a] = nxt
 
-            new = seq[n:n + a + 1].tolist()
-            for i, tok in enumerate(new):
-                if tok in self.eos_ids:
-                    new = new[:i + 1]
-                    res.stop = "eos"
-                    break
+            new, hit_eos = cut_at_eos(seq[n:n + a + 1].tolist(), self.eos_ids)
             n += len(new)
             target.crop(n - 1)
             new_features = features[:a + 1] if features is not None else None
@@ -370,7 +379,8 @@ class SpeculativeDecoder:
                 res.tested[i] += 1
             for i in range(a):
                 res.accepted[i] += 1
-            if res.stop == "eos":
+            if hit_eos:
+                res.stop = "eos"
                 break
         res.total_s = time.perf_counter() - start
         res.tokens = seq[p_len:n].tolist()

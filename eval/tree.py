@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import DecodeResult, SpeculativeDecoder, Target, crop_cache, make_draft
+from specdistill.eval.engine import DecodeResult, SpeculativeDecoder, Target, crop_cache, cut_at_eos, make_draft
 
 
 @dataclass
@@ -180,26 +180,24 @@ class DraftTree:
 class TreeDrafter:
     """The head, its own KV cache, and the tree built from it each step."""
 
-    def __init__(self, head):
-        self.head = head.eval().requires_grad_(False)
-        self.eagle3 = head.kind == "eagle3"
-        self.draft_ids = head.draft_ids if self.eagle3 else None
-        self.dtype = next(head.parameters()).dtype
+    def __init__(self, draft):
+        """draft: the engine's EagleDraft / Eagle3Draft (its head, feature projection and id mapping)."""
+        self.chain = draft
+        self.head = draft.head
+        self.float_mask = self.head.kind == "eagle"  # EAGLE-1's body is a transformers model; EAGLE-3 takes bool
+        self.dtype = next(self.head.parameters()).dtype
         self.cache = None
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.head.config)
 
     def _step(self, ids, state, pos, mask):
-        if mask is not None and not self.eagle3:
-            mask = additive(mask, self.dtype)  # EAGLE-1's body is a transformers model: float mask
+        if mask is not None and self.float_mask:
+            mask = additive(mask, self.dtype)
         return self.head(ids, state, position_ids=pos, past_key_values=self.cache, attention_mask=mask)
 
     def _log_probs(self, h):
         return torch.log_softmax(self.head.logits(h).float(), dim=-1)
-
-    def _to_target(self, ids):
-        return self.draft_ids[ids] if self.eagle3 else ids
 
     def draft(self, seq, n: int, new_features, shape: TreeShape, depth: int) -> DraftTree:
         """Draft a tree of at most `depth` levels after seq[:n] (see the module docstring)."""
@@ -209,7 +207,7 @@ class TreeDrafter:
         crop_cache(self.cache, real)
         if m == 0 or depth == 0:
             return tree
-        state = new_features[None] if not self.eagle3 else self.head.project(new_features[None])
+        state = self.chain.project(new_features[None])
         h = self._step(seq[real + 1:n][None], state, torch.arange(real, n - 1)[None], None)
         tree.forwards = 1
         states = {-1: h[0, -1]}  # output state of each expanded node; -1 = the root
@@ -218,7 +216,7 @@ class TreeDrafter:
         def add_children(parents: list[int], log_probs: torch.Tensor, ranks: list[list[int]]) -> list[int]:
             """Children of each parent at the given ranks of its draft distribution, in rank order."""
             top = log_probs.topk(max(max(r) for r in ranks) + 1, dim=-1)
-            tokens = self._to_target(top.indices).tolist()
+            tokens = self.chain.to_target(top.indices).tolist()
             added = []
             for row, p in enumerate(parents):
                 base = tree.scores[p] if p >= 0 else 0.0
@@ -304,10 +302,9 @@ class TreeDecoder:
         if widest > draft_vocab:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.model = target_model
-        self.head = head
         self.chain_draft = make_draft(head, target_model)  # checks the vocabulary; also the T > 0 fallback
         self.target = Target(target_model, self.chain_draft.features)
-        self.drafter = TreeDrafter(head)
+        self.drafter = TreeDrafter(self.chain_draft)
         self.eos_ids = set(eos_ids)
 
     def draft_tree(self, seq, n, new_features, depth) -> DraftTree:
@@ -358,12 +355,7 @@ class TreeDecoder:
             path = greedy_walk(best, tokens, parents)
             a = len(path) - 1
 
-            new = [tokens[i] for i in path[1:]] + [best[path[-1]]]
-            for i, tok in enumerate(new):
-                if tok in self.eos_ids:
-                    new = new[:i + 1]
-                    res.stop = "eos"
-                    break
+            new, hit_eos = cut_at_eos([tokens[i] for i in path[1:]] + [best[path[-1]]], self.eos_ids)
             seq[n:n + len(new)] = torch.tensor(new)
             keep_path(target.cache, n - 1, [n - 1 + i for i in path[:len(new)]])
             n += len(new)
@@ -382,7 +374,8 @@ class TreeDecoder:
                     res.tested[d] += 1
             for d in range(a):
                 res.accepted[d] += 1
-            if res.stop == "eos":
+            if hit_eos:
+                res.stop = "eos"
                 break
         res.total_s = time.perf_counter() - start
         res.tokens = seq[p_len:n].tolist()
