@@ -74,12 +74,12 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
             with torch.device("meta"):
                 return EagleHead(target_config)
         return EagleHead(target_config).bind_target(target_embed, target_lm_head)
-    if kind == "eagle3":
-        return _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights)
     if weights and target_dir is None:
         from specdistill.target import resolve_target
 
         target_dir = resolve_target(recipe.target)
+    if kind == "eagle3":
+        return _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights)
     return draft_lm.build_draft_lm(recipe.draft, target_config, target_dir, weights=weights)
 
 
@@ -94,7 +94,7 @@ def _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_di
     head.config.ttt_steps = recipe.draft.ttt_steps
     counts = eagle3.trained_token_counts(recipe.run_dir, vocab)
     head.set_draft_vocab(eagle3.draft_vocab_from_counts(counts, vd))
-    if target_lm_head is not None and target_dir is not None:
+    if target_lm_head is not None:
         norm = draft_lm.read_target_tensors(target_dir, ["model.norm.weight"]).get("model.norm.weight")
         head.init_readout(target_lm_head.weight, norm)
     return head.bind_target(target_embed)
@@ -221,24 +221,22 @@ def _predict_eagle3(model, batch, parts, noise, generator):
     first = torch.zeros(B, T, dtype=torch.bool, device=ids.device)  # step 0, every trained position
     first[:, :T - 2] = trained[:, 2:]
     counted = []  # step s: trained and inside the draft vocabulary
-    for s in range(head.config.ttt_steps):
+    for s in range(min(head.config.ttt_steps, T - 2)):  # later steps would have no positions left
         c = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
-        if T - 2 - s > 0:
-            c[:, :T - 2 - s] = (trained & in_vocab)[:, 2 + s:]
+        c[:, :T - 2 - s] = (trained & in_vocab)[:, 2 + s:]
         counted.append(c)
     aux = batch["hidden_aux"].to(dtype).flatten(2)  # [B, T, A*H]
-    logits = model(ids, None, None, None, att, ttt_aux=aux, ttt_steps=head.config.ttt_steps,
+    logits = model(ids, None, None, None, att, ttt_aux=aux, ttt_steps=len(counted),
                    noise=noise, generator=generator, ttt_keep=[first] + counted[1:])
     draft_ids = head.draft_ids
     last = batch["hidden_last"].to(dtype)
+    target_rows = parts.lm_head.weight[draft_ids]  # the target's LM head over the draft vocabulary
     steps = []
     for s, (c, q) in enumerate(zip(counted, logits)):
-        if T - 2 - s <= 0:
-            break
         if s == 0:
             q = q[c[first]]
         with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
-            p = last[:, 1 + s:][c[:, :T - 1 - s]] @ parts.lm_head.weight[draft_ids].T
+            p = last[:, 1 + s:][c[:, :T - 1 - s]] @ target_rows.T
         steps.append({"q_logits": q, "p_logits": p})
     return {**steps[0], "steps": steps, "draft_ids": draft_ids,
             "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}

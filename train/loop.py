@@ -99,16 +99,19 @@ def all_sum(value: float, world: int) -> float:
 
 # ---- the loop ----------------------------------------------------------------------------------
 
-def feature_std(dataset, n: int = 8) -> float:
-    """Std of the cached features over the first sequences: sets EAGLE's noise scale (deterministic)."""
-    xs = [dataset[i]["hidden_last"].float() for i in range(min(n, len(dataset)))]
-    return torch.cat(xs).std().item() if xs else 1.0
+def _first_rows(dataset, key: str, n: int = 8) -> torch.Tensor:
+    """The cached `key` of the first n sequences, one row per token (deterministic: sets fixed scales)."""
+    return torch.cat([dataset[i][key].float().flatten(1) for i in range(min(n, len(dataset)))])
 
 
-def aux_feature_std(dataset, n: int = 8) -> torch.Tensor:
-    """Per-dimension std of the cached EAGLE-3 aux features [A*H] over the first sequences (deterministic)."""
-    xs = [dataset[i]["hidden_aux"].float().flatten(1) for i in range(min(n, len(dataset)))]
-    return torch.cat(xs).std(0)
+def feature_std(dataset) -> float:
+    """Std of the cached EAGLE-1 features: sets EAGLE's noise scale."""
+    return _first_rows(dataset, "hidden_last").std().item()
+
+
+def aux_feature_std(dataset) -> torch.Tensor:
+    """Per-dimension std of the cached EAGLE-3 aux features [A*H]."""
+    return _first_rows(dataset, "hidden_aux").std(0)
 
 
 def _heldout_batches(cache, recipe, device) -> list[dict]:
