@@ -185,6 +185,10 @@ def tau_k_table(evals: list[dict], many_runs: bool) -> str:
     return table(header, rows)
 
 
+def tree_label(shape: dict) -> str:
+    return "tree (" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
+
+
 def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
     """Chain and tree drafting of the same checkpoint on the same prompts at T=0 (trees are greedy-only)."""
     header = ["checkpoint", "drafting", "τ", "α", "α per depth", "speedup", "ms / verify", "nodes / step", "lossless"]
@@ -198,8 +202,7 @@ def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
         rows.append([label(e, many_runs), f"chain K={e.get('k')}", num(r.get("tau")), num(r.get("alpha")),
                      depth(r.get("alpha_at")), num(r.get("speedup"), 2), num(r.get("ms_per_verify"), 1),
                      num(e.get("k")), num(r.get("lossless"))])
-        shape = ", ".join(f"{k}={v}" for k, v in t["shape"].items())
-        rows.append([label(e, many_runs), f"tree ({shape})", num(t["tau"]), num(t["alpha"]), depth(t["alpha_at"]),
+        rows.append([label(e, many_runs), tree_label(t["shape"]), num(t["tau"]), num(t["alpha"]), depth(t["alpha_at"]),
                      num(t["speedup"], 2), num(t["ms_per_verify"], 1), num(t["nodes_per_step"], 1),
                      num(t["lossless"])])
     if not rows:
@@ -220,20 +223,16 @@ def methods_table(runs: dict[str, list[dict]]) -> str:
             continue
         e = max(evals, key=lambda x: x["step"])
         chain = [name, e["checkpoint"], f"chain K={e.get('k')}"]
-        tree = [name, e["checkpoint"], "tree"]
         for t in temps:
             r = result_at(e, t)
             chain += [num(r.get("tau")), num(r.get("alpha")), num(r.get("speedup"), 2)]
-            tr = r.get("tree")
-            if tr:
-                tree += [num(tr["tau"]), num(tr["alpha"]), num(tr["speedup"], 2)]
-            elif t > 0 and "tree" in result_at(e, 0.0):
-                tree += ["(chain)"] * 3
-            else:
-                tree += [DASH] * 3
         rows.append(chain)
-        if "tree" in result_at(e, 0.0):
-            tree[2] = "tree (" + ", ".join(f"{k}={v}" for k, v in result_at(e, 0.0)["tree"]["shape"].items()) + ")"
+        greedy_tree = result_at(e, 0.0).get("tree")
+        if greedy_tree:
+            tree = [name, e["checkpoint"], tree_label(greedy_tree["shape"])]
+            for t in temps:
+                tr = result_at(e, t).get("tree")  # only at T=0: at T>0 the tree decoder is the chain
+                tree += [num(tr["tau"]), num(tr["alpha"]), num(tr["speedup"], 2)] if tr else ["(chain)"] * 3
             rows.append(tree)
     return table(header, rows)
 
