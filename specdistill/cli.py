@@ -1,7 +1,9 @@
 """`specdistill <stage> --recipe recipes/NAME.yaml [section.key=value ...]`.
 
 Each stage lives in its own module and exposes `run(recipe, args)`; the CLI only parses arguments,
-loads the recipe and turns a SpecdistillError into one readable line.
+loads the recipe and turns a SpecdistillError into one readable line. Overrides may stand anywhere
+on the command line, before or after the options (`parse_intermixed_args`).
+`specdistill config --recipe R [overrides]` prints the resolved recipe: what a stage would run.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ STAGES = {
     "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
                [("--checkpoint", dict(default=None, help="step-N (default: the last)")),
                 ("--format", dict(default=None, help="vllm-eagle, vllm-eagle3, speculators or hf (default: the recipe's)"))]),
+    "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
 }
+# Stages that accept --restart (start the run over instead of refusing changed settings).
+RESTARTABLE = {"train"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdistill",
         description="Train draft models for speculative decoding and measure them by real decoding. "
@@ -40,16 +45,36 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--recipe", required=True, help="recipe YAML file (see recipes/)")
         for flag, kwargs in extra:
             p.add_argument(flag, **kwargs)
+        if name in RESTARTABLE:
+            p.add_argument("--restart", action="store_true",
+                           help="start the run over: remove its checkpoints instead of refusing changed settings")
         p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                       help="override recipe keys, values parsed as YAML")
+                       help="override recipe keys (anywhere on the line), values parsed as YAML")
+        if subparsers is not None:
+            subparsers[name] = p
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Stage arguments with overrides collected from anywhere on the line.
+
+    argparse's parse_intermixed_args refuses a parser with sub-commands, so the stage's own parser
+    (which has no sub-commands) parses everything after the stage name.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+    parser = build_parser(subparsers)
+    if not argv or argv[0] not in subparsers:
+        return parser.parse_args(argv)  # --help, no stage, or an unknown stage: argparse's own message
+    args = subparsers[argv[0]].parse_intermixed_args(argv[1:])
+    args.stage = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(argv)
     if args.stage is None:
-        parser.print_help()
+        build_parser().print_help()
         return 2
     from specdistill.recipe import load_recipe
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdistill.errors import SpecdistillError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Run outputs; tests point this elsewhere with SPECDISTILL_CHECKPOINTS.
+# Run outputs; the recipe's `output_dir` wins over this, tests point it elsewhere with SPECDISTILL_CHECKPOINTS.
 CHECKPOINTS = Path(os.environ.get("SPECDISTILL_CHECKPOINTS", REPO_ROOT / "checkpoints"))
 
 
@@ -136,6 +136,8 @@ class ExportConfig(Section):
 
 class Recipe(Section):
     run_name: str | None = None
+    output_dir: str | None = Field(None, description="where runs live (outputs go to <output_dir>/<run_name>/); "
+                                                     "default $SPECDISTILL_CHECKPOINTS or ./checkpoints")
     target: TargetConfig
     corpus: CorpusConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -149,8 +151,12 @@ class Recipe(Section):
     source: str = Field("", exclude=True)
 
     @property
+    def output_root(self) -> Path:
+        return Path(self.output_dir).expanduser() if self.output_dir else CHECKPOINTS
+
+    @property
     def run_dir(self) -> Path:
-        return CHECKPOINTS / self.run_name
+        return self.output_root / self.run_name
 
     @property
     def temperatures(self) -> list[float]:
