@@ -81,6 +81,30 @@ def resolve_files(path: str) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------- readers
 
+def first_bad_utf8(file: Path) -> tuple[int, bytes] | None:
+    """(byte offset, the offending bytes) of the first invalid UTF-8 sequence in the file, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file fed to the decoder before this chunk
+    with open(file, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            pending = len(decoder.getstate()[0])  # an incomplete sequence carried over from the last chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                return offset - pending + e.start, e.object[e.start:e.end]
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def not_utf8_error(file: Path) -> SpecdistillError:
+    found = first_bad_utf8(file)
+    where = f"byte {found[0]:,} (0x{found[1].hex()})" if found else "an unknown position"
+    return SpecdistillError(f"{file}: not valid UTF-8 at {where}; re-encode the file as UTF-8 "
+                            f"(e.g. `iconv -f latin1 -t utf-8`)")
+
+
 def read_jsonl(file: Path, stats: ReadStats, on_bad_row: str):
     with open(file, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -167,13 +191,20 @@ def read_table(file: Path, kind: str):
         ds = load_dataset(kind, data_files=str(file), split="train", streaming=True)
     except Exception as e:  # datasets raises many types; the user needs the file and the reason
         raise SpecdistillError(f"{file}: cannot read as {kind} ({str(e).splitlines()[0]})") from None
-    for i, record in enumerate(ds):
-        yield f"{file.name}[{i}]", record
+    try:
+        for i, record in enumerate(ds):
+            yield f"{file.name}[{i}]", record
+    except SpecdistillError:
+        raise
+    except Exception as e:
+        if kind == "csv" and first_bad_utf8(file) is not None:
+            raise not_utf8_error(file) from None
+        raise SpecdistillError(f"{file}: cannot read as {kind} ({str(e).splitlines()[0]})") from None
 
 
 def read_text(file: Path):
     """Plain text: one row per paragraph (blocks separated by blank lines)."""
-    text = file.read_text(encoding="utf-8", errors="replace")
+    text = file.read_text(encoding="utf-8")
     for i, block in enumerate(re.split(r"\n\s*\n", text)):
         if block.strip():
             yield f"{file.name}[{i}]", {"text": block.strip()}
@@ -200,14 +231,17 @@ def iter_records(cfg, stats: ReadStats):
     for file in resolve_files(cfg.path):
         stats.sources.append(str(file))
         suffix = file.suffix.lower()
-        if suffix == ".jsonl":
-            yield from read_jsonl(file, stats, cfg.on_bad_row)
-        elif suffix == ".json":
-            yield from read_json(file, stats, cfg.on_bad_row)
-        elif suffix in (".parquet", ".csv"):
-            yield from read_table(file, suffix[1:])
-        else:
-            yield from read_text(file)
+        try:
+            if suffix == ".jsonl":
+                yield from read_jsonl(file, stats, cfg.on_bad_row)
+            elif suffix == ".json":
+                yield from read_json(file, stats, cfg.on_bad_row)
+            elif suffix in (".parquet", ".csv"):
+                yield from read_table(file, suffix[1:])
+            else:
+                yield from read_text(file)
+        except UnicodeDecodeError:  # text readers decode strictly: name the file and the first bad byte
+            raise not_utf8_error(file) from None
 
 
 # ---------------------------------------------------------------------------------------- formats

@@ -177,3 +177,36 @@ BAD_INPUTS = [
 def test_bad_input_names_the_problem(tmp_path, build, settings, message):
     with pytest.raises(SpecdistillError, match=message):
         read_corpus(cfg(build(tmp_path), **settings))
+
+
+# ---------------------------------------------------------------------------------------- bad bytes
+
+LATIN1 = '{"question": "caf\u00e9", "answer": "a"}\n'.encode("latin-1")  # \xe9 alone is not UTF-8
+
+
+@pytest.mark.parametrize("name, content", [
+    ("qa.jsonl", QA.encode() * 3 + LATIN1),
+    ("qa.json", b"[" + QA.encode().strip() + b", " + LATIN1.strip() + b"]"),
+    ("qa.csv", b"question,answer\nq,a\n" + "caf\u00e9,b\n".encode("latin-1")),
+    ("qa.txt", b"first paragraph\n\n" + "caf\u00e9\n".encode("latin-1")),
+], ids=["jsonl", "json-array", "csv", "txt"])
+def test_non_utf8_file_stops_with_file_and_byte_offset(tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    offset = content.index(b"\xe9")
+    settings = {} if name.endswith(".txt") else {"columns": {"user": "question", "assistant": "answer"}}
+    with pytest.raises(SpecdistillError) as e:
+        read_corpus(cfg(tmp_path / name, **settings))
+    message = str(e.value)
+    assert "\n" not in message and name in message
+    assert f"not valid UTF-8 at byte {offset:,} (0xe9)" in message
+
+
+def test_bad_utf8_offset_across_chunk_boundaries(tmp_path, monkeypatch):
+    from specdistill.data import corpus
+
+    monkeypatch.setattr(corpus, "CHUNK", 7)  # split multibyte characters across chunks
+    data = "héllo wörld ".encode() * 5 + b"\xff" + "ok".encode()
+    (tmp_path / "x.txt").write_bytes(data)
+    assert corpus.first_bad_utf8(tmp_path / "x.txt") == (data.index(b"\xff"), b"\xff")
+    (tmp_path / "y.txt").write_bytes("héllo wörld ".encode() * 5)
+    assert corpus.first_bad_utf8(tmp_path / "y.txt") is None
