@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.errors import SpecdistillError
+from specdistill.eval import sampling
 from specdistill.eval.engine import EagleDraft, SpeculativeDecoder, eos_token_ids
 from specdistill.train.eagle import EagleHead
 
@@ -91,10 +92,60 @@ def test_counts_and_tau(target):
     full = SpeculativeDecoder(target, target, k=4).decode(PROMPTS[0], 20)
     assert full.steps == 4 and full.tau == 5.0  # every draft accepted: K + 1 tokens per step
     assert full.accepted == full.tested == full.drafted == [4, 4, 4, 4]
-    bad = SpeculativeDecoder(target, ConstantDraft(0, 512), k=4).decode(PROMPTS[0], 20)
-    if 0 not in base.tokens:
-        assert bad.steps == 20 and bad.accepted == [0, 0, 0, 0]
-        assert bad.tested == [19, 0, 0, 0]  # only depth 0 is tested; the last step drafts nothing (room)
+    never = min(set(range(512)) - set(base.tokens))  # a token greedy decoding never emits: always rejected
+    bad = SpeculativeDecoder(target, ConstantDraft(never, 512), k=4).decode(PROMPTS[0], 20)
+    assert bad.tokens == base.tokens
+    assert bad.steps == 20 and bad.accepted == [0, 0, 0, 0]
+    assert bad.tested == [19, 0, 0, 0]  # only depth 0 is tested; the last step drafts nothing (room)
+    assert bad.drafted == [19, 18, 17, 16]  # room: the step before last drafts 1, the last none
+
+
+def test_alpha_counts_only_committed_tokens(target):
+    """Drafts accepted after an EOS are discarded by the step, so they are not counted as accepted."""
+    base = SpeculativeDecoder(target, None).decode(PROMPTS[0], 20).tokens
+    # the target drafting for itself (k=4) accepts everything: step 1 commits base[0:5], step 2 drafts base[5:9]
+    i = next(i for i in range(5, 9) if base[i] not in base[:i])
+    out = SpeculativeDecoder(target, target, k=4, eos_ids={base[i]}).decode(PROMPTS[0], 20)
+    assert out.tokens == base[:i + 1] and out.stop == "eos" and out.steps == 2
+    depth = i - 5  # the EOS is the drafted token at this depth of step 2; deeper drafts are thrown away
+    assert out.accepted == [1 + (d <= depth) for d in range(4)], (i, out.accepted)
+    assert sum(out.accepted) == len(out.tokens) - 1  # every committed token but step 1's bonus was a draft
+
+
+def argmax_loop(model, prompt, n, eos_ids=()):
+    """Greedy decoding with no KV cache: the whole sequence through the model for every token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            if seq[-1] in eos_ids:
+                break
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def test_greedy_identical_to_a_cache_free_argmax_loop(model_type):
+    """A bug shared by the engine's baseline and its speculative path (prefill convention, cropping, sliding
+    windows) would pass the baseline comparison; a cache-free argmax loop shares none of that code."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(model_type, vocab_size=256)
+    cfg.tie_word_embeddings, cfg.initializer_range = False, 0.2
+    if model_type != "llama":
+        cfg.sliding_window = 8
+    if model_type == "qwen3":
+        cfg.use_sliding_window, cfg.max_window_layers = True, 1
+    torch.manual_seed(0)
+    tgt = AutoModelForCausalLM.from_config(cfg).eval()
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(cfg).eval()
+    for prompt in ([3], list(range(5, 25))):  # a one-token prompt (no prefill) and one longer than the window
+        want = argmax_loop(tgt, prompt, 24)
+        assert SpeculativeDecoder(tgt, None).decode(prompt, 24).tokens == want
+        for draft in (tgt, other, eagle_for(tgt)):
+            assert SpeculativeDecoder(tgt, draft, k=3).decode(prompt, 24).tokens == want
 
 
 def test_eos_stops(target):
@@ -145,48 +196,97 @@ def test_tokenizer_fingerprint_mismatch_stops(target, smollm_tokenizer, tmp_path
         check_same_vocab(target, target, smollm_tokenizer, other)
 
 
-def exact_first_two(target, prompt, vocab, temperature):
-    """p(t1, t2 | prompt) computed directly from the target, [V, V]."""
+def exact_joint(target, prompt, vocab, temperature, length):
+    """p(t1..t_length | prompt) computed directly from the target, one forward per context, [V] * length."""
+    joint = torch.ones([1], dtype=torch.float64)
+    contexts = [list(prompt)]
     with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
-        ctx = torch.tensor([prompt + [t] for t in range(vocab)])
-        p2 = torch.softmax(target(ctx).logits[:, -1].double() / temperature, -1)
-    return p1[:, None] * p2
+        for _ in range(length):
+            logits = target(torch.tensor(contexts)).logits[:, -1].double()
+            p = torch.softmax(logits / temperature, -1)  # [len(contexts), V]
+            joint = (joint[:, None] * p).flatten()
+            contexts = [c + [t] for c in contexts for t in range(vocab)]
+    return joint.view([vocab] * length)
 
 
-def first_two_pvalue(draft_name: str, runs: int = 1200) -> float:
-    """Chi-square p-value of the engine's first two sampled tokens against p(t1, t2) computed directly."""
-    vocab, temperature = 8, 1.0
-    tgt = llama(vocab, seed=3, init=0.5)
-    draft = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.5), "eagle": lambda: eagle_for(tgt),
-             "eagle3": lambda: eagle3_for(tgt, [0, 1, 2, 4, 5, 7])}[draft_name]()
-    prompt = [1, 5, 2, 7]
-    engine = SpeculativeDecoder(tgt, draft, k=2)
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    accepted = 0
+JOINT_VOCAB, JOINT_TOKENS, JOINT_K = 5, 3, 2
+
+
+def joint_case(draft_name: str):
+    """A target over 5 tokens and a real draft of the given kind (EAGLE-3 drafts over 4 of the 5 ids)."""
+    vocab = JOINT_VOCAB
+    tgt = llama(vocab, seed=3, init=0.1)  # p neither flat nor peaked: acceptance ~0.75, context matters
+    draft = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.1), "eagle": lambda: eagle_for(tgt),
+             "eagle3": lambda: eagle3_for(tgt, [0, 1, 3, 4])}[draft_name]()
+    return tgt, draft
+
+
+def joint_pvalue(draft_name: str, runs: int = 1500, make_decoder=None) -> tuple[float, list[int]]:
+    """Chi-square p-value of the engine's first 3 sampled tokens (K = 2: a first step drafts 2 tokens, so
+    depth 2 and the bonus token after it are exercised) against p(t1, t2, t3) computed directly.
+    `make_decoder(target, draft)` replaces the chain engine (the tree decoder's T > 0 path).
+
+    Returns the p-value and the accepted counts per draft depth (depth 2 must be reached)."""
+    vocab, temperature = JOINT_VOCAB, 1.0
+    tgt, draft = joint_case(draft_name)
+    prompt = [1, 4, 2, 3]
+    engine = (make_decoder or (lambda t, d: SpeculativeDecoder(t, d, k=JOINT_K)))(tgt, draft)
+    counts = torch.zeros(vocab ** JOINT_TOKENS, dtype=torch.float64)
+    accepted = [0] * JOINT_K
     for seed in range(runs):
-        out = engine.decode(prompt, 2, temperature, torch.Generator().manual_seed(seed))
-        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
-        accepted += sum(out.accepted)
-    assert 0 < accepted < runs  # the draft is neither always right nor always wrong
-    expected = exact_first_two(tgt, prompt, vocab, temperature).flatten() * runs
+        out = engine.decode(prompt, JOINT_TOKENS, temperature, torch.Generator().manual_seed(seed))
+        cell = 0
+        for t in out.tokens:
+            cell = cell * vocab + t
+        counts[cell] += 1
+        accepted = [a + b for a, b in zip(accepted, out.accepted)]
+    expected = exact_joint(tgt, prompt, vocab, temperature, JOINT_TOKENS).flatten() * runs
     small = expected < 5  # pool cells expected < 5 into one, as chi-square needs
     obs = torch.cat([counts[~small], counts[small].sum().view(1)])
     exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
+    return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue, accepted
 
 
 @pytest.mark.parametrize("draft_name", ["draft_lm", "eagle", "eagle3"])
 def test_sampling_distribution_matches_target(draft_name):
-    assert first_two_pvalue(draft_name) > 1e-3
+    """The engine's own path (propose -> verify_chain -> commit -> crop) at depth 2: joint of 3 tokens."""
+    pvalue, accepted = joint_pvalue(draft_name)
+    runs = 1500
+    assert 0 < accepted[0] < runs and 0 < accepted[1] < accepted[0], accepted  # depth 2 is drafted, judged, mixed
+    assert pvalue > 1e-3, (draft_name, pvalue)
 
 
-def test_sampling_distribution_test_catches_a_wrong_rule(monkeypatch):
-    """The same end-to-end test fails when rejected tokens are resampled from p instead of the residual."""
-    import specdistill.eval.sampling as sampling
+def wrong_verify_chain(p, q, draft, generator=None):
+    """A deliberately wrong rule that only differs from the exact one at depth >= 2: after a full acceptance
+    the bonus token is drawn from the distribution of the last drafted position (p[K-1]) instead of p[K]."""
+    a, nxt = sampling.verify_chain(p, q, draft, generator)
+    k = draft.shape[0]
+    if k >= 2 and a == k:
+        nxt = int(sampling.sample(p[k - 1], generator))
+    return a, nxt
 
-    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
-    assert first_two_pvalue("draft_lm") < 1e-3
+
+def wrong_residual_verify_chain(p, q, draft, generator=None):
+    """A deliberately wrong rule: a rejected token is replaced by a sample of p instead of the residual."""
+    k = draft.shape[0]
+    if not k:
+        return 0, int(sampling.sample(p[0], generator))
+    u = torch.rand(k, generator=generator)
+    rows = torch.arange(k)
+    ok = sampling.accept_mask(p[rows, draft], q[rows, draft], u)
+    a = int(ok.cumprod(0).sum())
+    return a, int(sampling.sample(p[a], generator))
+
+
+@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle", "eagle3"])
+@pytest.mark.parametrize("rule", [wrong_verify_chain, wrong_residual_verify_chain], ids=["bonus", "residual"])
+def test_sampling_distribution_test_catches_a_wrong_rule(monkeypatch, draft_name, rule):
+    """The same joint test rejects the engine when verify_chain is replaced by a wrong rule."""
+    import specdistill.eval.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "verify_chain", rule)
+    pvalue, _ = joint_pvalue(draft_name, runs=2500)  # the bonus bug only shows after two acceptances: more runs
+    assert pvalue < 1e-3, (draft_name, rule.__name__, pvalue)
 
 
 # ----------------------------------------------------------------------------- the real default target
@@ -210,12 +310,14 @@ def test_greedy_identical_on_real_target(smollm, smollm_tokenizer):
                                                     tokenize=True, return_dict=False) for q in questions]
     eos = eos_token_ids(smollm, smollm_tokenizer)
     vocab = smollm.get_output_embeddings().weight.shape[0]
-    drafts = {"eagle": eagle_for(smollm), "draft_lm": tiny_model(vocab_size=vocab, seed=5),
+    drafts = {"eagle": eagle_for(smollm), "eagle3": eagle3_for(smollm, list(range(0, vocab, 3))),
+              "draft_lm": tiny_model(vocab_size=vocab, seed=5),
               "constant0": ConstantDraft(0, vocab), "self": smollm}
     baseline = SpeculativeDecoder(smollm, None, eos_ids=eos)
     for prompt in prompts:
         want = baseline.decode(prompt, 32)
         assert len(want.tokens) > 4
+        assert want.tokens == argmax_loop(smollm, prompt, 32, eos)
         for name, draft in drafts.items():
             got = SpeculativeDecoder(smollm, draft, k=4, eos_ids=eos).decode(prompt, 32)
             assert got.tokens == want.tokens, name
