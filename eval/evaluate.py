@@ -7,9 +7,11 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -109,11 +111,14 @@ def leviathan_tau(alpha: float, k: int) -> float:
 # ----------------------------------------------------------------------------- offline on the prompts
 
 @torch.inference_mode()
-def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations: list[list[int]]) -> dict:
-    """fkl, tvd, predicted_alpha, top1 at T=1 over the continuation positions, teacher-forced.
+def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations: list[list[int]],
+                       temperature: float = 1.0, continuations_label: str | None = None) -> dict:
+    """fkl, tvd, predicted_alpha, top1 at `temperature` over the continuation positions, teacher-forced:
+    first-draft quantities (what alpha_at[0] measures), not pooled over depths.
 
-    The continuation is the target's own greedy output. EAGLE heads read the target's real features
-    (position t: token t+1 and f[t]), one step ahead, exactly as in training.
+    The continuation is the target's own output: greedy for the T=0 comparison (top-1), sampled at T for
+    the T>0 one (predicted alpha). EAGLE heads read the target's real features (position t: token t+1 and
+    f[t]), one step ahead, exactly as in training.
     """
     kind = getattr(draft, "kind", None)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
@@ -129,8 +134,8 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         else:
             q_logits = draft(seq).logits[0]
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
-        log_p = torch.log_softmax(p_logits[rows].float(), -1)
-        log_q = torch.log_softmax(q_logits[rows].float(), -1)
+        log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
+        log_q = torch.log_softmax(q_logits[rows].float() / temperature, -1)
         sums["fkl"] += (log_p.exp() * (log_p - log_q)).sum(-1).sum().item()
         sums["tvd"] += 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1).sum().item()
         sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
@@ -142,8 +147,10 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     if kind == "eagle3":  # q is zero outside the reduced draft vocabulary: KL(p||q) is infinite there
         out["fkl"] = None
         out["note"] = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
-    return {**out, "positions": positions, "temperature": 1.0,
-            "continuations": "the target's own greedy outputs (baseline, T=0)"}
+    out["distribution"] = ("full vocabulary (q zero outside the EAGLE-3 draft vocabulary)" if kind == "eagle3"
+                           else "full vocabulary")
+    return {**out, "positions": positions, "temperature": temperature,
+            "continuations": continuations_label or "the target's own greedy outputs (baseline, T=0)"}
 
 
 def _eagle_logits(draft, kind, seq, hidden_states, p_logits):
@@ -168,17 +175,36 @@ def _speedup(spec: dict, base: dict) -> float:
     return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
 
 
+WARMUP_TOKENS = 8
+
+
+def warm_up(decoders, prompt_ids, temperature) -> None:
+    """One short untimed decode per decoder before any timed one (first-call allocations, lazy kernels)."""
+    for d in decoders:
+        if d is not None:
+            d.decode(prompt_ids, WARMUP_TOKENS, temperature, _generator(0))
+
+
 def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperature, comparator_names, draft,
                          eos, pad_id, label="", tree=None):
-    """Decode every prompt: baseline, K, the K sweep, (T=0) the tree and the comparators, interleaved per prompt."""
+    """Decode every prompt: baseline, K, the K sweep, (T=0) the tree and the comparators, interleaved per prompt.
+
+    A warm-up decode of each decoder runs first; within a prompt the baseline runs first on even prompts and
+    after the speculative runs on odd ones, so whatever a run leaves behind (caches, clocks) favours neither."""
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
-    comp = {name: {"tokens": 0, "seconds": 0.0} for name in comparator_names}
+    comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
+    if prompts:
+        warm_up([baseline, engine, tree if temperature == 0 else None], prompts[0].ids, temperature)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
-        base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+        base_first = i % 2 == 0
+        if base_first:
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for k in ks:
             spec_runs[k].append(engine.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+        if not base_first:
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
             tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for name in comparator_names:
@@ -186,6 +212,7 @@ def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperatur
                                                          pad_id, draft=draft, k=eval_cfg.k)
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
+            comp[name]["outputs"].append(tokens)
     return base_runs, spec_runs, comp, tree_runs
 
 
@@ -197,6 +224,38 @@ def summarise_tree(tree_cfg: dict, base_runs, tree_runs) -> dict:
             "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
             "nodes_per_step": sum(r.tree_nodes for r in tree_runs) / max(1, t["steps"]),
             "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
+
+
+BOOTSTRAP_SAMPLES = 2000
+CI_NOTE = (f"95% percentile bootstrap over prompts ({BOOTSTRAP_SAMPLES} resamples of the prompt set, seed 0): "
+           "tau, alpha and speedup recomputed from the pooled counts and times of each resample")
+
+
+def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+    """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
+
+    Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
+    import random
+
+    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s)
+           for s, b in zip(spec_runs, base_runs)]
+    n = len(per)
+    if n == 0:
+        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None}
+    rng = random.Random(seed)
+    taus, alphas, speedups = [], [], []
+    for _ in range(samples):
+        pick = [per[rng.randrange(n)] for _ in range(n)]
+        tok, steps, acc, tested, secs, btok, bsecs = (sum(x) for x in zip(*pick))
+        taus.append(tok / steps if steps else 0.0)
+        alphas.append(acc / tested if tested else 0.0)
+        speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
+
+    def interval(xs):
+        xs = sorted(xs)
+        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
+
+    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups)}
 
 
 def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) -> dict:
@@ -232,18 +291,54 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) ->
         "best_k": k_best,
         "best_k_from": f"alpha_at measured at K={deepest}, ms per draft step and per verify measured at K={main_k}",
         "predicted_tau_leviathan": leviathan_tau(spec["alpha"], main_k),
+        **bootstrap_ci95(base_runs, spec_runs[main_k]),
+        "ci_method": CI_NOTE,
         "tokens": spec["tokens"],
         "steps": spec["steps"],
         "per_category": per_category,
     }
 
 
+def checkpoint_fingerprint(step_dir: Path) -> str:
+    """sha256 (16 hex) of what defines a checkpoint: its weights, its config and its offline metrics."""
+    h = hashlib.sha256()
+    for name in ("draft.safetensors", "draft_config.json", "metrics.json"):
+        f = Path(step_dir) / name
+        h.update(name.encode())
+        if f.is_file():
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def eval_settings(recipe) -> dict:
+    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
+    return recipe.eval.model_dump(mode="json")
+
+
+def transformers_greedy(target, prompts, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
+    """transformers' own greedy generate() tokens for each prompt (untimed): the reference of lossless."""
+    return [comparators.run_comparator("hf_generate", target, p.ids, max_new_tokens, eos, pad_id)[0] for p in prompts]
+
+
+def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree_runs) -> tuple[bool, list[int]]:
+    """Every greedy decode of ours (baseline, each K, the tree) token-identical to the reference; mismatching prompts."""
+    bad = set()
+    for runs in [base_runs, tree_runs, *spec_runs.values()]:
+        bad |= {i for i, (r, want) in enumerate(zip(runs, reference)) if r.tokens != list(want)}
+    return not bad, sorted(bad)
+
+
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
-                        draft_kind: str, heldout: dict | None, with_comparators: bool = True) -> dict:
+                        draft_kind: str, heldout: dict | None, with_comparators: bool = True,
+                        reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None) -> dict:
     """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
+    `reference_tokens`: transformers' greedy generate() output per prompt (computed here when not given
+    and the hf_generate comparator did not run); `fingerprint`: checkpoint_fingerprint of the step dir.
     """
     cfg = recipe.eval
     eos = eos_token_ids(target, tokenizer)
@@ -257,7 +352,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
 
         tree = TreeDecoder(target, draft, dict(cfg.tree), eos_ids=eos)
 
-    results, comp_report, greedy_outputs = [], {}, None
+    results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
         base_runs, spec_runs, comp, tree_runs = evaluate_temperature(
@@ -266,8 +361,16 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         if tree_runs:
             result["tree"] = summarise_tree(dict(cfg.tree), base_runs, tree_runs)
         results.append(result)
+        if temperature > 0:
+            sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
+            reference = (comp.get("hf_generate") or {}).get("outputs") or reference_tokens
+            if reference is None:
+                reference = transformers_greedy(target, prompts, cfg.max_new_tokens, eos, pad_id)
+            result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs,
+                                                                                    tree_runs)
+            result["transformers_mismatched_prompts"] = mismatched
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
@@ -282,6 +385,12 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
+    offline = {"heldout": heldout, "prompts": offline_prompts}
+    if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
+        t = min(sampled_outputs)
+        offline["prompts_sampled"] = offline_on_prompts(
+            target, draft, [p.ids for p in prompts], sampled_outputs[t], temperature=t,
+            continuations_label=f"the target's own outputs sampled at T={t:g} (baseline)")
 
     return {
         "checkpoint": checkpoint,
@@ -293,7 +402,10 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "max_new_tokens": cfg.max_new_tokens,
         "k": cfg.k,
         "hardware": hardware(),
-        "offline": {"heldout": heldout, "prompts": offline_prompts},
+        "checkpoint_fingerprint": fingerprint,
+        "eval_settings": eval_settings(recipe),
+        "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "offline": offline,
         "results": results,
         "comparators": comp_report,
         "comparators_note": comp_note,
@@ -303,10 +415,13 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
 
 def summary_line(report: dict, r: dict) -> str:
     lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
+    vs_hf = {True: " (transformers: yes)", False: " (transformers: NO)"}.get(r.get("lossless_vs_transformers"), "")
+    ci = (f"  speedup 95% CI [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
+          if r.get("speedup_ci95") else "")
     return (f"{report['checkpoint']} T={r['temperature']:g} K={report['k']}: tau {r['tau']:.2f}  "
             f"alpha {r['alpha']:.3f}  speedup {r['speedup']:.2f}x ({r['tokens_per_s']:.1f} vs "
             f"{r['baseline_tokens_per_s']:.1f} tok/s)  draft {r['ms_per_draft_step']:.1f} ms/step  "
-            f"verify {r['ms_per_verify']:.1f} ms  lossless {lossless}  best K {r['best_k']}")
+            f"verify {r['ms_per_verify']:.1f} ms  lossless {lossless}{vs_hf}  best K {r['best_k']}{ci}")
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -321,6 +436,11 @@ def run(recipe, args) -> list[Path]:
     target = load_target(recipe.target)
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
+    reference = None
+    if 0 in recipe.temperatures or 0.0 in recipe.temperatures:  # transformers' greedy tokens, once per run
+        eos = eos_token_ids(target, tokenizer)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+        reference = transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, pad_id)
     written = []
     for step_dir in steps:
         draft = load_draft(step_dir, target)
@@ -328,7 +448,8 @@ def run(recipe, args) -> list[Path]:
         kind = draft_kind(step_dir)
         report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step, kind,
                                      heldout_metrics(step_dir),
-                                     with_comparators=step_dir == steps[-1] or kind == "draft_lm")
+                                     with_comparators=step_dir == steps[-1] or kind == "draft_lm",
+                                     reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir))
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
         write_json_atomic(out, report)
         for r in report["results"]:

@@ -21,9 +21,11 @@ QUESTIONS = [("writing", "Write a short poem about the sea."),
              ("writing", "Describe a sunrise in two sentences.")]
 RESULT_KEYS = {"temperature", "tau", "alpha", "alpha_at", "speedup", "tokens_per_s", "baseline_tokens_per_s",
                "lossless", "ms_per_draft_step", "ms_per_verify", "ms_per_token", "baseline_ms_per_token",
-               "tau_by_k", "best_k", "predicted_tau_leviathan", "per_category"}
+               "tau_by_k", "best_k", "predicted_tau_leviathan", "per_category", "tau_ci95", "alpha_ci95",
+               "speedup_ci95"}
 TOP_KEYS = {"checkpoint", "step", "draft_kind", "target", "prompts", "num_prompts", "max_new_tokens", "k",
-            "hardware", "offline", "results", "comparators"}
+            "hardware", "offline", "results", "comparators", "checkpoint_fingerprint", "eval_settings",
+            "evaluated_at"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +88,15 @@ def test_eval_stage_end_to_end(setup, capsys):
         assert 1.0 <= r["tau"] <= 4.0 and r["speedup"] > 0
         assert set(r["per_category"]) == {"writing", "math"}
         assert r["per_category"]["writing"]["num_prompts"] == 2
+        for key in ("tau", "alpha", "speedup"):
+            low, high = r[f"{key}_ci95"]
+            assert low <= r[key] <= high, (key, r[key], low, high)
     assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
+    assert greedy["lossless_vs_transformers"] is True and "lossless_vs_transformers" not in sampled
+    assert report["checkpoint_fingerprint"] == evaluate.checkpoint_fingerprint(layout.step_dir(recipe.run_dir, 2))
+    assert report["eval_settings"] == recipe.eval.model_dump(mode="json") and report["evaluated_at"].endswith("Z")
+    assert report["offline"]["prompts_sampled"]["temperature"] == 1.0
+    assert "sampled" in report["offline"]["prompts_sampled"]["continuations"]
     assert sampled["temperature"] == 1.0 and sampled["lossless"] is None
     assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup"}  # no assisted for eagle
     assert all(c["speedup"] > 0 for c in report["comparators"].values())
@@ -201,3 +211,110 @@ def test_tree_drafting_is_measured_beside_the_chain(setup, tmp_path):
     path, _ = report_mod.write_report({"tiny": report_mod.load_evals(recipe.run_dir)}, tmp_path / "rep", "specdistill report")
     text = path.read_text()
     assert "## Chain vs tree drafting (T=0)" in text and "tree (kind=dynamic" in text and "chain K=3" in text
+
+
+def test_tau_alpha_speedup_are_exactly_what_was_decoded(setup, monkeypatch):
+    """The target drafting for itself accepts everything: alpha is exactly 1, each prompt of N tokens takes
+    ceil(N / (K+1)) steps, and speedup is exactly the ratio of the two measured throughputs."""
+    import math
+
+    from specdistill.eval import engine as engine_mod
+
+    recipe, target = setup
+    recipe.eval.temperature = 0.0
+    recipe.eval.k_sweep = []
+    recipe.eval.comparators = False
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    decoded = []
+    real_decode = engine_mod.SpeculativeDecoder.decode
+
+    def recording(self, prompt_ids, max_new_tokens, *args, **kwargs):
+        res = real_decode(self, prompt_ids, max_new_tokens, *args, **kwargs)
+        decoded.append((self.k, max_new_tokens, res))
+        return res
+
+    monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, target, prompts, "self", None, "draft_lm", None)
+    (r,) = report["results"]
+    k = recipe.eval.k
+    timed = [(kk, res) for kk, n, res in decoded if n == recipe.eval.max_new_tokens]
+    spec = [res for kk, res in timed if kk == k]
+    base = [res for kk, res in timed if kk == 0]
+    assert len(spec) == len(base) == len(prompts)
+    lengths = [len(b.tokens) for b in base]
+    assert r["alpha"] == 1.0 and r["alpha_at"] == [1.0] * k and r["lossless"] is True
+    assert r["tau"] == pytest.approx(sum(lengths) / sum(math.ceil(n / (k + 1)) for n in lengths))
+    spec_tps = sum(len(x.tokens) for x in spec) / sum(x.total_s for x in spec)
+    base_tps = sum(len(x.tokens) for x in base) / sum(x.total_s for x in base)
+    assert r["speedup"] == pytest.approx(spec_tps / base_tps) and r["tokens_per_s"] == pytest.approx(spec_tps)
+    assert r["alpha_ci95"] == [1.0, 1.0]
+
+
+def test_warm_up_first_then_order_alternates_per_prompt(setup, monkeypatch):
+    from specdistill.eval import engine as engine_mod
+
+    recipe, target = setup
+    recipe.eval.temperature = 0.0
+    recipe.eval.k_sweep = []
+    recipe.eval.comparators = False
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    calls = []
+    real_decode = engine_mod.SpeculativeDecoder.decode
+
+    def recording(self, prompt_ids, max_new_tokens, *args, **kwargs):
+        calls.append(("base" if self.k == 0 else "spec", max_new_tokens))
+        return real_decode(self, prompt_ids, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
+    evaluate.evaluate_checkpoint(recipe, target, tokenizer, target, prompts, "self", None, "draft_lm", None)
+    n = recipe.eval.max_new_tokens
+    assert calls[:2] == [("base", evaluate.WARMUP_TOKENS), ("spec", evaluate.WARMUP_TOKENS)]  # untimed warm-up
+    timed = [c[0] for c in calls[2:2 + 2 * len(prompts)]]
+    assert all(c[1] == n for c in calls[2:2 + 2 * len(prompts)])
+    assert timed == ["base", "spec", "spec", "base", "base", "spec"]  # who goes first alternates per prompt
+
+
+def test_lossless_vs_transformers_catches_a_shared_bug(setup, monkeypatch):
+    """If our greedy output (baseline and speculative alike) differed from transformers' generate(), the
+    baseline comparison would still say lossless; the comparison with generate() does not."""
+    from specdistill.eval import comparators
+
+    recipe, target = setup
+    recipe.eval.temperature = 0.0
+    recipe.eval.k_sweep = []
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)
+    assert report["results"][0]["lossless_vs_transformers"] is True
+    real = comparators.run_comparator
+
+    def off_by_one(name, *args, **kwargs):  # generate() emitting something else on the second prompt
+        tokens, seconds = real(name, *args, **kwargs)
+        if args[1] == prompts[1].ids:
+            tokens = tokens[:-1] + [(tokens[-1] + 1) % target.config.vocab_size]
+        return tokens, seconds
+
+    monkeypatch.setattr(comparators, "run_comparator", off_by_one)
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)
+    r = report["results"][0]
+    assert r["lossless"] is True and r["lossless_vs_transformers"] is False
+    assert r["transformers_mismatched_prompts"] == [1]
+
+
+def test_bootstrap_interval_covers_the_spread_of_prompts():
+    from specdistill.eval.engine import DecodeResult
+
+    def run(tokens, steps, acc, tested, secs):
+        return DecodeResult(tokens=[0] * tokens, steps=steps, accepted=[acc], tested=[tested], total_s=secs)
+
+    spec = [run(10, 2, 8, 8, 1.0), run(10, 10, 0, 9, 2.0)] * 5
+    base = [run(10, 10, 0, 0, 1.0)] * 10
+    ci = evaluate.bootstrap_ci95(base, spec)
+    assert 1.0 < ci["tau_ci95"][0] < 100 / 60 < ci["tau_ci95"][1] < 5.0
+    assert ci["alpha_ci95"][0] < 40 / 85 < ci["alpha_ci95"][1]
+    assert ci["speedup_ci95"][0] < (100 / 15) / (100 / 10) < ci["speedup_ci95"][1]
+    same = evaluate.bootstrap_ci95(base, [run(10, 2, 8, 8, 1.0)] * 10)
+    assert same["tau_ci95"] == [5.0, 5.0] and same["speedup_ci95"] == [1.0, 1.0]
