@@ -137,6 +137,17 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu"):
     return model
 
 
+def target_logits_from_hidden(config, head, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from the final-norm state it reads, with the model's own logit post-processing.
+
+    `head` is the LM head module or a slice of its weight rows [V', H] (e.g. a draft vocabulary). Gemma-2
+    caps its final logits (`final_logit_softcapping`: tanh(z / c) * c); every p formed from lm_head(h)
+    outside the model's own forward must go through here, or it is not the target's distribution."""
+    logits = head(hidden) if callable(head) and not isinstance(head, torch.Tensor) else hidden @ head.T
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def fingerprint_target(cfg: TargetConfig) -> dict:
     """Stable identity of the target: its config and a content sample of its weight files.
 

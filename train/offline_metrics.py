@@ -1,14 +1,28 @@
 """Offline metrics on the held-out cache split (definitions: /work/shared/docs/metrics.md), at T=1.
 
 fkl = KL(p||q), tvd, predicted_alpha = 1 - tvd, top1 = P(argmax q = argmax p), each averaged over
-counted positions. With a top-k cache p and q are the truncated k+1-outcome distributions (the tail
-kept as one "other" bucket) and the result says so in `distribution`.
+counted positions: first-draft, teacher-forced quantities (they predict alpha_at[0], not pooled alpha).
+With a top-k cache p and q are the truncated k+1-outcome distributions (the tail kept as one "other"
+bucket) and the result says so in `distribution` and, per number, in `labels` (fkl is then a lower
+bound, tvd a lower bound and predicted_alpha an upper bound of the full-vocabulary values).
+EAGLE-3 also reports acceptance per unrolled draft depth and `simulated_tau`.
 """
 from __future__ import annotations
 
 import torch
 
+from specdistill.target import target_logits_from_hidden
 from specdistill.train import drafts, losses
+
+
+def simulated_tau(alpha_at: list[float], k: int | None = None) -> float:
+    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (metrics.md); depths past the measured ones repeat the last one."""
+    k = len(alpha_at) if k is None else k
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= alpha_at[min(j, len(alpha_at) - 1)] if alpha_at else 0.0
+        total += run
+    return total
 
 
 @torch.no_grad()
@@ -16,7 +30,7 @@ def offline_metrics(kind: str, model, batches, parts) -> dict:
     if kind == "eagle3":
         return eagle3_metrics(model, batches, parts)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
-    positions, label = 0, "full vocabulary"
+    positions, label, labels = 0, "full vocabulary", {}
     for batch in batches:
         pred = drafts.predict(kind, model, batch, parts)
         if pred["q_logits"].shape[0] == 0:
@@ -27,16 +41,37 @@ def offline_metrics(kind: str, model, batches, parts) -> dict:
         sums["tvd"] += per["tvd"].sum().item()
         if "topk_ids" in pred:
             p_top = pred["topk_ids"][:, 0]
-            label = f"top-{pred['topk_ids'].shape[1]} truncated, tail mass kept as one 'other' bucket"
+            k = pred["topk_ids"].shape[1]
+            label = f"top-{k} truncated, tail mass kept as one 'other' bucket"
+            labels = {"fkl": f"top-{k}+tail", "tvd": f"top-{k}+tail",
+                      "predicted_alpha": f"top-{k}+tail, upper bound", "top1": "full vocabulary"}
         else:
             p_top = pred["p_logits"].argmax(-1)
         sums["top1"] += (pred["q_logits"].argmax(-1) == p_top).sum().item()
         positions += pred["q_logits"].shape[0]
+    labels = labels or dict.fromkeys(("fkl", "tvd", "predicted_alpha", "top1"), "full vocabulary")
     if positions == 0:
-        return {"positions": 0, "temperature": 1.0, "distribution": label}
+        return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
     out = {k: v / positions for k, v in sums.items()}
     out["predicted_alpha"] = 1.0 - out["tvd"]
-    return {**out, "positions": positions, "temperature": 1.0, "distribution": label}
+    return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}
+
+
+def _full_p_at_step(batch, head, parts, s: int, n: int):
+    """The target's FULL-vocabulary p at the positions unroll step s counts (drafts._predict_eagle3's rule:
+    step s at position t predicts token t+2+s, counted where it is trained and in the draft vocabulary);
+    None if the count disagrees with the step's n rows (then the caller keeps the restricted p)."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    if "hidden_last" not in batch or T - 2 - s <= 0:
+        return None
+    trained = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    c = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
+    c[:, :T - 2 - s] = (trained & head.t2d[ids])[:, 2 + s:]
+    f = batch["hidden_last"].to(parts.lm_head.weight.dtype)[:, 1 + s:][c[:, :T - 1 - s]]
+    if f.shape[0] != n:
+        return None
+    return torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, f).float(), -1)
 
 
 @torch.no_grad()
@@ -44,15 +79,22 @@ def eagle3_metrics(model, batches, parts) -> dict:
     """EAGLE-3's first drafted token against the target's FULL distribution (q is zero outside the draft
     vocabulary), so predicted_alpha is the real expected acceptance; fkl is over the draft vocabulary
     (p restricted and renormalised, positions whose token is outside it left out, as training does);
-    `vocab_coverage` is the target mass inside the draft vocabulary; `top1_at` per unroll step."""
+    `vocab_coverage` is the target mass inside the draft vocabulary.
+
+    Per unrolled draft depth s (the head fed its own states from depth 2 on, as when drafting):
+    `top1_at[s]` (T=0 acceptance) and `alpha_at[s]` = E[sum_x min(p, q)] (T=1 acceptance, p over the full
+    vocabulary); depth 1 counts every trained position, depths >= 2 the positions whose token is in the
+    draft vocabulary (training's rule), which favours them slightly. `simulated_tau` = 1 + sum_k prod_{i<=k}
+    of each, over the unrolled depths: the held-out prediction of the measured tau (T=0 and T=1)."""
+    head = getattr(model, "module", model)
     sums = {"tvd": 0.0, "top1": 0.0, "vocab_coverage": 0.0}
     fkl_sum, fkl_n, positions = 0.0, 0, 0
-    step_hits, step_n = [], []
+    step_hits, step_acc, step_n = [], [], []
     for batch in batches:
         pred = drafts.predict("eagle3", model, batch, parts)
         ids = pred["draft_ids"]
         if pred["metric_q_logits"].shape[0]:
-            p = torch.softmax(parts.lm_head(pred["metric_f"]).float(), -1)
+            p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, pred["metric_f"]).float(), -1)
             q_d = torch.softmax(pred["metric_q_logits"].float(), -1)
             q = torch.zeros_like(p)
             q[:, ids] = q_d
@@ -63,20 +105,40 @@ def eagle3_metrics(model, batches, parts) -> dict:
         for s, step in enumerate(pred["steps"]):
             if s == len(step_hits):
                 step_hits.append(0)
+                step_acc.append(0.0)
                 step_n.append(0)
-            if step["q_logits"].shape[0] == 0:
-                continue
-            step_hits[s] += (step["q_logits"].argmax(-1) == step["p_logits"].argmax(-1)).sum().item()
-            step_n[s] += step["q_logits"].shape[0]
-            if s == 0:
+            if s == 0 and pred["metric_q_logits"].shape[0]:  # depth 1: every trained position, full p
+                step_hits[0] += (ids[q_d.argmax(-1)] == p.argmax(-1)).sum().item()
+                step_acc[0] += torch.minimum(p, q).sum(-1).sum().item()
+                step_n[0] += p.shape[0]
+            n = step["q_logits"].shape[0]
+            if n and s > 0:
+                qs = torch.softmax(step["q_logits"].float(), -1)
+                full = _full_p_at_step(batch, head, parts, s, n)
+                if full is not None:
+                    step_hits[s] += (ids[qs.argmax(-1)] == full.argmax(-1)).sum().item()
+                    step_acc[s] += torch.minimum(full[:, ids], qs).sum(-1).sum().item()
+                else:  # over the draft vocabulary (p renormalised): an upper bound
+                    ps = torch.softmax(step["p_logits"].float(), -1)
+                    step_hits[s] += (qs.argmax(-1) == ps.argmax(-1)).sum().item()
+                    step_acc[s] += torch.minimum(ps, qs).sum(-1).sum().item()
+                step_n[s] += n
+            if s == 0 and n:
                 log_p, log_q = drafts.distribution_logprobs(step, 1.0)
                 fkl_sum += losses.divergences(log_p, log_q, ("fkl",))["fkl"].sum().item()
-                fkl_n += step["q_logits"].shape[0]
+                fkl_n += n
     label = "full vocabulary (q zero outside the draft vocabulary); fkl over the draft vocabulary"
+    labels = {"fkl": "draft vocab", "tvd": "full vocabulary", "predicted_alpha": "full vocabulary",
+              "top1": "full vocabulary"}
     if positions == 0:
-        return {"positions": 0, "temperature": 1.0, "distribution": label}
+        return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
     out = {k: v / positions for k, v in sums.items()}
     out["predicted_alpha"] = 1.0 - out["tvd"]
     out["fkl"] = fkl_sum / fkl_n if fkl_n else float("nan")
     out["top1_at"] = [h / n if n else 0.0 for h, n in zip(step_hits, step_n)]
-    return {**out, "positions": positions, "temperature": 1.0, "distribution": label}
+    out["alpha_at"] = [a / n if n else 0.0 for a, n in zip(step_acc, step_n)]
+    out["positions_at"] = list(step_n)
+    out["simulated_tau"] = {"0": simulated_tau(out["top1_at"]), "1": simulated_tau(out["alpha_at"])}
+    out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance at depth i over the {len(step_n)} unrolled "
+                                 "depths (T=0: top1_at, T=1: alpha_at); held-out, teacher-forced tokens")
+    return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}
