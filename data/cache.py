@@ -43,9 +43,10 @@ def resolve_store(recipe) -> list[str]:
 
 
 def resolve_aux_layers(recipe, num_hidden_layers: int) -> list[int]:
+    from specdistill.train.eagle3 import default_aux_layers
+
     n = num_hidden_layers
-    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else [2, n // 2, n - 3]
-    layers = [min(max(l, 0), n) for l in layers] if recipe.cache.aux_layers is None else layers
+    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else default_aux_layers(n)
     bad = [l for l in layers if not 0 <= l <= n]
     if bad:
         raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "

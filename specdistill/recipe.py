@@ -77,6 +77,9 @@ class DraftConfig(Section):
     num_key_value_heads: int | None = None
     copy_target_layers: bool = Field(True, description="draft_lm: initialise from the target's first layers when shapes fit")
     lora: LoraConfig | None = None
+    # eagle, eagle3
+    init_layer_from_target: bool = Field(True, description="eagle/eagle3: start the head's (Llama-style) decoder "
+                                         "layer from the target's last layer where shapes fit (o_proj, MLP, norms)")
     # eagle3
     draft_vocab_size: int | None = Field(None, ge=16)
     ttt_steps: int = Field(7, ge=1)

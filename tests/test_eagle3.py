@@ -123,3 +123,54 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     assert torch.allclose(head.aux_scale, 1 / std) and not torch.allclose(std, torch.ones_like(std))
     ids = head.draft_ids
     assert bool((ids[1:] > ids[:-1]).all()) and head.lm_head.weight.shape[0] == 128
+
+
+LLAMA_HEAD_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "aux_scale",
+                    "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+                    "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight",
+                    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight"} | \
+                   {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+
+
+def test_llama_head_keeps_its_config_and_names():
+    """A Llama target's head is built from the target's own config cut to one layer: checkpoints of runs made
+    before any other target was supported load unchanged."""
+    from specdistill.train.eagle import llama_layer_config, one_layer_config
+
+    target = tiny_model("llama", vocab_size=300, layers=4)
+    assert llama_layer_config(target.config).to_dict() == one_layer_config(target.config).to_dict()
+    assert set(Eagle3Head(target.config, 64, [1, 2, 3]).own_state_dict()) == LLAMA_HEAD_NAMES
+
+
+@torch.no_grad()
+def test_other_targets_get_a_llama_layer_initialised_from_their_last_layer(tmp_path):
+    from specdistill.train.eagle import EagleHead, init_layer_from_target
+
+    for model_type in ("qwen3", "gemma3_text"):
+        target = tiny_model(model_type, vocab_size=300, layers=3)
+        target.save_pretrained(tmp_path / model_type)
+        head = Eagle3Head(target.config, 64, [1, 2, 3])
+        assert head.config.model_type == "llama" and set(head.own_state_dict()) == LLAMA_HEAD_NAMES
+        assert head.config.head_dim == target.config.head_dim and head.config.hidden_act == "silu"
+        with torch.no_grad():  # move the target's norms off 1 / 0 so the copy is visible
+            for p in target.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        target.save_pretrained(tmp_path / model_type)
+        copied = init_layer_from_target(head.layers[0], tmp_path / model_type, target.config)
+        last = target.model.layers[2]
+        assert "self_attn.q_proj.weight" not in copied  # 2H wide in EAGLE-3: shapes do not allow
+        assert torch.equal(head.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
+        assert torch.equal(head.layers[0].self_attn.o_proj.weight, last.self_attn.o_proj.weight)
+        if model_type == "gemma3_text":  # Gemma norms hold w - 1; the pre-MLP norm is pre_feedforward_layernorm
+            assert torch.allclose(head.layers[0].post_attention_layernorm.weight,
+                                  last.pre_feedforward_layernorm.weight + 1)
+        else:
+            assert torch.equal(head.layers[0].input_layernorm.weight, last.input_layernorm.weight)
+        eagle = EagleHead(target.config)
+        copied = init_layer_from_target(eagle.body.layers[0], tmp_path / model_type, target.config)
+        assert "self_attn.q_proj.weight" in copied
+        assert torch.equal(eagle.body.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+        # the head runs (Gemma's rotary embedding needs a layer_type; the Llama layer does not)
+        head.bind_target(target.get_input_embeddings())
+        state = torch.randn(1, 5, 64)
+        assert head(torch.randint(0, 300, (1, 5)), state, torch.arange(5)[None]).shape == (1, 5, 64)

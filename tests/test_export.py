@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
@@ -512,19 +512,39 @@ def test_eagle3_errors(setup):
         export.export_checkpoint(recipe, step_dir, "hf")
 
 
-def test_non_llama_target_stops_for_vllm_heads(tmp_path, monkeypatch, smollm_tokenizer):
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma3_text"])
+def test_non_llama_target_exports_a_llama_style_head(tmp_path, monkeypatch, smollm_tokenizer, model_type):
+    """Any target gets a Llama-style head (what vLLM loads beside any verifier); the export round-trips.
+    Gemma: vLLM shares the raw embedding table (Gemma scales by sqrt(H) inside its model), so the export
+    folds sqrt(H) into the embedding half of fc and our reader takes it out again."""
     from tests.conftest import tiny_model
 
     monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
-    tiny_model("qwen2", vocab_size=V).save_pretrained(tmp_path / "qwen")
+    tiny_model(model_type, vocab_size=V).save_pretrained(tmp_path / "t")
     recipe_file = tmp_path / "q.yaml"
-    recipe_file.write_text(f"target: {{path: {tmp_path / 'qwen'}}}\ncorpus: {{path: x}}\ndraft: {{kind: eagle}}\n"
+    recipe_file.write_text(f"target: {{path: {tmp_path / 't'}}}\ncorpus: {{path: x}}\ndraft: {{kind: eagle}}\n"
                            "train: {max_steps: 1, save_every: 1}\n")
     recipe = load_recipe(recipe_file)
     target = load_target(recipe.target)
     step_dir = make_eagle_checkpoint(recipe, target.config)
-    with pytest.raises(SpecdistillError, match="Llama-architecture targets only; this target is 'qwen2'"):
-        export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["hidden_act"] == "silu" and "target_model_type" not in config
+    d = getattr(target.config, "head_dim", None) or H // NH
+    with safe_open(out / "model.safetensors", "pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+        fc = f.get_tensor("fc.weight")
+    assert set(shapes) == set(VLLM_EAGLE_TENSORS) and shapes["layers.0.self_attn.q_proj.weight"] == (NH * d, H)
+    saved = load_file(step_dir / "draft.safetensors")["fc.weight"]
+    scale = H ** 0.5 if model_type.startswith("gemma") else 1.0
+    assert torch.allclose(fc[:, :H], saved[:, :H] * scale) and torch.equal(fc[:, H:], saved[:, H:])
+    before, after = reload_checkpoint_head(step_dir, target), export.load_vllm_eagle(out, target)
+    ids = torch.randint(3, V, (1, 12))
+    with torch.no_grad():
+        feats = target(ids, output_hidden_states=True).hidden_states[-1]
+        assert torch.allclose(before.logits(before(ids[:, 1:], feats[:, :-1])),
+                              after.logits(after(ids[:, 1:], feats[:, :-1])), atol=1e-5)
 
 
 SPECULATORS_CHECK = r'''

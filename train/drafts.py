@@ -69,15 +69,17 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
     """A fresh draft for recipe.draft.kind. weights=False builds shapes only, on the meta device."""
     kind = recipe.draft.kind
     _require_kind(kind)
-    if kind == "eagle":
-        if not weights:
-            with torch.device("meta"):
-                return EagleHead(target_config)
-        return EagleHead(target_config).bind_target(target_embed, target_lm_head)
+    if kind == "eagle" and not weights:
+        with torch.device("meta"):
+            return EagleHead(target_config)
     if weights and target_dir is None:
         from specdistill.target import resolve_target
 
         target_dir = resolve_target(recipe.target)
+    if kind == "eagle":
+        head = EagleHead(target_config)
+        _init_layer(recipe, head.body.layers[0], target_dir, target_config)
+        return head.bind_target(target_embed, target_lm_head)
     if kind == "eagle3":
         return _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights)
     return draft_lm.build_draft_lm(recipe.draft, target_config, target_dir, weights=weights)
@@ -92,12 +94,21 @@ def _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_di
             return Eagle3Head(target_config, vd, aux)
     head = Eagle3Head(target_config, vd, aux)
     head.config.ttt_steps = recipe.draft.ttt_steps
+    _init_layer(recipe, head.layers[0], target_dir, target_config)
     counts = eagle3.trained_token_counts(recipe.run_dir, vocab)
     head.set_draft_vocab(eagle3.draft_vocab_from_counts(counts, vd))
     if target_lm_head is not None:
         norm = draft_lm.read_target_tensors(target_dir, ["model.norm.weight"]).get("model.norm.weight")
         head.init_readout(target_lm_head.weight, norm)
     return head.bind_target(target_embed)
+
+
+def _init_layer(recipe, layer, target_dir, target_config) -> None:
+    """draft.init_layer_from_target: start the head's Llama layer from the target's last layer where shapes fit."""
+    if recipe.draft.init_layer_from_target and target_dir is not None:
+        from specdistill.train.eagle import init_layer_from_target
+
+        init_layer_from_target(layer, target_dir, target_config)
 
 
 def own_state_dict(kind: str, draft) -> dict[str, torch.Tensor]:

@@ -4,10 +4,11 @@
 
 `f` is the target's last hidden state after its final norm (transformers' `hidden_states[-1]`),
 the state the target's LM head reads, so the head needs no final norm of its own. The decoder
-layer is the target's own architecture (built from its config with one layer) with the first input
-norm skipped, as in EAGLE's research code and vLLM. Embedding and LM head are the target's, frozen
-and shared. Own weights are named `fc.weight`, `layers.0.*` — exactly vLLM's names, so the export
-is a rename of nothing.
+layer is a Llama layer for any target (`llama_layer_config`: the target's sizes, rope and eps; for a
+Llama target exactly its config cut to one layer), with the first input norm skipped, as in EAGLE's
+research code and vLLM, which loads it with EagleLlamaForCausalLM beside any verifier. Embedding and
+LM head are the target's, frozen and shared. Own weights are named `fc.weight`, `layers.0.*` —
+exactly vLLM's names, so the export is a rename of nothing.
 """
 from __future__ import annotations
 
@@ -33,6 +34,78 @@ def one_layer_config(target_config, num_layers: int = 1):
     return cfg
 
 
+# Target config keys a Llama draft layer takes over as they are.
+LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id",
+              "pad_token_id", "tie_word_embeddings")
+
+
+def llama_layer_config(target_config, num_layers: int = 1):
+    """The config of the head's decoder layer: Llama-style for any target (what vLLM's Eagle(3)Llama loads).
+
+    A Llama target's own config cut to one layer (unchanged names and shapes); for any other target a
+    LlamaConfig with its sizes, head_dim, eps and rope (the full-attention rope of a Gemma-3), and
+    silu (vLLM's Llama MLP has no other activation), no attention/MLP bias, no q/k norms.
+    """
+    if target_config.model_type == "llama":
+        return one_layer_config(target_config, num_layers)
+    from transformers import LlamaConfig
+
+    kwargs = {k: getattr(target_config, k) for k in LLAMA_KEYS if getattr(target_config, k, None) is not None}
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3)
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    if not rope and getattr(target_config, "rope_theta", None) is not None:
+        rope = {"rope_type": "default", "rope_theta": target_config.rope_theta}
+    if rope:
+        kwargs["rope_parameters"] = rope
+    cfg = LlamaConfig(**kwargs, num_hidden_layers=num_layers, hidden_act="silu", attention_bias=False,
+                      mlp_bias=False, use_cache=True)
+    cfg.target_model_type = target_config.model_type  # what the layer was adapted from (informational)
+    return cfg
+
+
+# Target layer tensor -> the Llama head layer's, per target family (norms of Gemma store w - 1).
+LAYER_MAP = {
+    "default": {n: n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")},
+    "gemma": {"self_attn.q_proj.weight": "self_attn.q_proj.weight", "self_attn.k_proj.weight": "self_attn.k_proj.weight",
+              "self_attn.v_proj.weight": "self_attn.v_proj.weight", "self_attn.o_proj.weight": "self_attn.o_proj.weight",
+              "mlp.gate_proj.weight": "mlp.gate_proj.weight", "mlp.up_proj.weight": "mlp.up_proj.weight",
+              "mlp.down_proj.weight": "mlp.down_proj.weight", "input_layernorm.weight": "input_layernorm.weight",
+              "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight"},
+}
+
+
+def target_norm_weight(tensor: torch.Tensor, model_type: str) -> torch.Tensor:
+    """A target RMSNorm weight as a Llama RMSNorm's: Gemma norms multiply by (1 + w)."""
+    return tensor + 1.0 if model_type.startswith("gemma") else tensor
+
+
+@torch.no_grad()
+def init_layer_from_target(layer: nn.Module, target_dir, target_config, index: int | None = None) -> list[str]:
+    """Copy the target's decoder layer `index` (default: the last) into the head's layer where names and
+    shapes allow (EAGLE-3's 2H-wide q/k/v never do; Qwen3's q/k norms have no place). Returns the copied names."""
+    from specdistill.train.draft_lm import read_target_tensors
+
+    index = target_config.num_hidden_layers - 1 if index is None else index
+    family = "gemma" if target_config.model_type.startswith("gemma") else "default"
+    prefix = f"model.layers.{index}."
+    source = read_target_tensors(target_dir, [prefix + n for n in LAYER_MAP[family]])
+    own = layer.state_dict()
+    copied = []
+    for theirs, ours in LAYER_MAP[family].items():
+        t = source.get(prefix + theirs)
+        if t is None or ours not in own or own[ours].shape != t.shape:
+            continue
+        if ours.endswith("layernorm.weight"):
+            t = target_norm_weight(t.float(), target_config.model_type)
+        own[ours].copy_(t.to(own[ours].dtype))
+        copied.append(ours)
+    return copied
+
+
 class EagleHead(nn.Module):
     kind = "eagle"
 
@@ -40,7 +113,7 @@ class EagleHead(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        cfg = one_layer_config(target_config)
+        cfg = llama_layer_config(target_config)
         self.config = cfg
         hidden = cfg.hidden_size
         body = AutoModel.from_config(cfg)

@@ -6,6 +6,7 @@
 
 Drafting one more token feeds the layer its own output h (not passed through fc again), so the head
 can run several steps ahead; training unrolls it the same way ("training-time test", `ttt_forward`).
+The decoder layer is a Llama layer for any target (train/eagle.py `llama_layer_config`).
 The draft vocabulary is the Vd most frequent trained tokens of the corpus; `d2t[i]` is the offset
 from draft id i to its target id (target = i + d2t[i]), `t2d[v]` says whether target id v is in it —
 the conventions of EAGLE-3's research code, SpecForge and vLLM. Weight names match vLLM:
@@ -16,12 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdistill.train.eagle import one_layer_config, require_same_names
+from specdistill.train.eagle import llama_layer_config, require_same_names
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default ids (2, N//2, N-3): hidden_states indices, i.e. the input of that layer."""
-    return [2, num_layers // 2, num_layers - 3]
+    """vLLM's default ids (2, N//2, N-3): hidden_states indices, i.e. the input of that layer (clamped to
+    0..N for targets of fewer than 3 layers, as the cache stage does)."""
+    return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        cfg = one_layer_config(target_config)
+        cfg = llama_layer_config(target_config)  # Llama-style for any target (vLLM: Eagle3LlamaForCausalLM)
         cfg._attn_implementation = "sdpa"  # we pass boolean masks (True = attend)
         cfg.draft_vocab_size = draft_vocab_size
         cfg.eagle_aux_hidden_state_layer_ids = list(aux_layers)

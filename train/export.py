@@ -4,13 +4,18 @@ Formats (see ../shared/docs/vllm-formats.md; names and shapes checked against vL
 `llama_eagle.py`, `configs/eagle.py` and `config/speculative.py`):
 
   vllm-eagle   EAGLE-1 head -> vLLM `EagleLlamaForCausalLM` (`"method": "eagle"`).
-               config.json: the target's Llama config with num_hidden_layers 1 and
+               config.json: the head's Llama layer config (a Llama target's own config; for any other
+               target a Llama config with its sizes: train/eagle.py llama_layer_config) with
+               num_hidden_layers 1 and
                architectures ["LlamaForCausalLM"] (vLLM's EAGLEConfig renames it to
                EagleLlamaForCausalLM for method eagle; the same file is what EAGLE's own released
                heads ship, it parses with plain transformers, and a serve command without "method"
                fails loudly as a draft_model with missing weights instead of running a wrong class).
                model.safetensors: exactly fc.weight [H,2H] and layers.0.* without input_layernorm;
-               no fc.bias, norm, lm_head or embed_tokens (vLLM shares the target's).
+               no fc.bias, norm, lm_head or embed_tokens (vLLM shares the target's). Gemma targets:
+               vLLM shares the raw embedding table, Gemma scales it by sqrt(H) inside its model, so
+               sqrt(H) is folded into fc's embedding half (EAGLE-3 needs nothing: its input_layernorm
+               normalises the embedding).
   hf           a draft_lm checkpoint as an ordinary HF model dir + the target's tokenizer
                (`"method": "draft_model"`, same vocab size as the target).
   vllm-eagle3  EAGLE-3 head -> vLLM `Eagle3LlamaForCausalLM` (`"method": "eagle3"`), plain layout.
@@ -41,7 +46,7 @@ FORMAT_KIND = {"vllm-eagle": "eagle", "vllm-eagle3": "eagle3", "speculators": "e
 VLLM_METHOD = {"vllm-eagle": "eagle", "vllm-eagle3": "eagle3", "speculators": "eagle3", "hf": "draft_model"}
 # Config keys of the target that make no sense in a one-layer head's config.json.
 DROPPED_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
-                       "pretraining_tp", "quantization_config", "auto_map")
+                       "pretraining_tp", "quantization_config", "auto_map", "target_model_type")
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -157,13 +162,13 @@ def check_same_target(recipe, step_dir: Path, draft_cfg: dict) -> None:
 # ----------------------------------------------------------------------------------------- vllm-eagle
 
 def vllm_eagle_config(target_config, dtype: torch.dtype) -> dict:
-    """config.json for vLLM's EAGLE-1 head: the target's Llama config cut to one layer."""
-    if target_config.model_type != "llama":
-        raise SpecdistillError(f"export: the vLLM heads written here (EagleLlamaForCausalLM, Eagle3LlamaForCausalLM) "
-                               f"implement Llama-architecture targets only; this target is '{target_config.model_type}'")
+    """config.json for vLLM's EAGLE heads: the head's Llama layer config (train/eagle.py llama_layer_config:
+    a Llama target's own config cut to one layer, or a Llama config with any other target's sizes)."""
     from transformers import PretrainedConfig
 
-    cfg = target_config.to_dict()
+    from specdistill.train.eagle import llama_layer_config
+
+    cfg = llama_layer_config(target_config).to_dict()
     generic = PretrainedConfig().to_dict()  # output_attentions, id2label, ...: noise in a head's config
     cfg = {k: v for k, v in cfg.items()
            if k not in DROPPED_CONFIG_KEYS and not (k in generic and json.dumps(v) == json.dumps(generic[k]))}
@@ -212,10 +217,24 @@ def write_vllm_eagle(step_dir: Path, draft_cfg: dict, target_config, out: Path) 
     check_config_fits(step_dir / "draft_config.json", draft_cfg["config"], target_config)
     state = load_file(weights)
     check_eagle_weights(weights, state, expected_eagle_shapes(target_config))
+    state["fc.weight"] = scale_embedding_half(state["fc.weight"], target_config, fold=True)
     dtype = next(iter(state.values())).dtype
     (out / "config.json").write_text(json.dumps(vllm_eagle_config(target_config, dtype), indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, out / "model.safetensors",
               metadata={"format": "pt"})
+
+
+def scale_embedding_half(fc: torch.Tensor, target_config, fold: bool) -> torch.Tensor:
+    """Gemma scales its embeddings by sqrt(H) inside its model, not in the embedding table that vLLM shares
+    with the head; our EAGLE-1 fc was trained on the scaled embeddings, so the export folds sqrt(H) into the
+    embedding half of fc.weight (fold=False undoes it). Other targets: unchanged."""
+    if not target_config.model_type.startswith("gemma"):
+        return fc
+    h = target_config.hidden_size
+    scale = torch.tensor(h ** 0.5, dtype=fc.dtype).float()
+    out = fc.float().clone()
+    out[:, :h] = out[:, :h] * scale if fold else out[:, :h] / scale
+    return out.to(fc.dtype)
 
 
 def load_vllm_eagle(export_dir: Path, target_model):
@@ -230,6 +249,7 @@ def load_vllm_eagle(export_dir: Path, target_model):
     head = EagleHead(config)
     state = load_file(export_dir / "model.safetensors")
     check_eagle_weights(export_dir / "model.safetensors", state, {k: tuple(v.shape) for k, v in head.own_state_dict().items()})
+    state["fc.weight"] = scale_embedding_half(state["fc.weight"], target_model.config, fold=False)
     head.load_own_state_dict(state)
     head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
     return head.eval()
