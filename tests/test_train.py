@@ -339,3 +339,51 @@ def test_eagle3_offline_acceptance_per_depth_and_simulated_tau(tmp_path, tiny_ta
                                                     abs=1e-4)
     assert simulated_tau([0.5, 0.5], k=3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert m["labels"]["fkl"] == "draft vocab"
+
+
+def test_gemma2_final_logit_softcap_wherever_p_is_formed():
+    """Gemma-2 caps its final logits (tanh(z / c) * c); every p built from lm_head(h) outside the model's
+    forward (EAGLE, EAGLE-3 and draft-LM training and metrics, the EAGLE head's q) must be the model's own."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdistill.target import target_logits_from_hidden
+    from specdistill.train import drafts
+    from specdistill.train.eagle import EagleHead
+    from specdistill.train.eagle3 import Eagle3Head
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config("gemma2", vocab_size=256)
+    cfg.final_logit_softcapping, cfg.initializer_range = 2.0, 0.5  # a cap well inside the logits' range
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 256, (1, 12))
+    T = ids.shape[1]
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    want, h = out.logits[0], out.hidden_states[-1]
+    lm_head = model.get_output_embeddings()
+    assert not torch.allclose(lm_head(h[0]), want, atol=1e-3)  # the cap matters for this model
+    torch.testing.assert_close(target_logits_from_hidden(cfg, lm_head, h[0]), want, atol=1e-4, rtol=1e-4)
+
+    parts = drafts.TargetParts(cfg, model.get_input_embeddings(), lm_head, None)
+    ones = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones, "hidden_last": h,
+             "hidden_aux": torch.stack([out.hidden_states[i] for i in (0, 1, 2)], dim=2)}
+    with torch.no_grad():
+        eagle = EagleHead(cfg).bind_target(model.get_input_embeddings(), lm_head).eval()
+        pred = drafts.predict("eagle", eagle, batch, parts)
+        torch.testing.assert_close(pred["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
+        assert pred["q_logits"].abs().max() <= 2.0 and eagle.logits(h[0]).abs().max() <= 2.0
+        saved = json.loads(eagle.config.to_json_string())  # what draft_config.json keeps; load_draft rebuilds from it
+        assert EagleHead(AutoConfig.for_model(saved.pop("model_type"), **saved)).config.final_logit_softcapping == 2.0
+
+        lm = drafts.predict("draft_lm", model, batch, parts)
+        torch.testing.assert_close(lm["p_logits"], want[:T - 1], atol=1e-4, rtol=1e-4)
+
+        head = Eagle3Head(cfg, 256, [0, 1, 2])
+        head.set_draft_vocab(torch.arange(256))
+        head.config.ttt_steps = 2
+        head.bind_target(model.get_input_embeddings()).eval()
+        e3 = drafts.predict("eagle3", head, batch, parts)
+        torch.testing.assert_close(e3["steps"][0]["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(e3["steps"][1]["p_logits"], want[2:T - 1], atol=1e-4, rtol=1e-4)

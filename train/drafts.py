@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specdistill.errors import SpecdistillError
+from specdistill.target import target_logits_from_hidden
 from specdistill.train import draft_lm
 from specdistill.train import eagle3
 from specdistill.train.eagle import EagleHead
@@ -209,8 +210,9 @@ def _predict_eagle(model, batch, parts, noise, feature_std, generator, distribut
     if distribution_sample < 1.0 and generator is not None and f.shape[0] > 1:
         keep = torch.randperm(f.shape[0], generator=generator)[:max(1, round(f.shape[0] * distribution_sample))]
     with torch.no_grad():
-        p_logits = parts.lm_head(f[keep])
-    return {"q_logits": parts.lm_head(f_hat[keep]), "p_logits": p_logits, "f_hat": f_hat, "f": f}
+        p_logits = target_logits_from_hidden(parts.config, parts.lm_head, f[keep])
+    return {"q_logits": target_logits_from_hidden(parts.config, parts.lm_head, f_hat[keep]), "p_logits": p_logits,
+            "f_hat": f_hat, "f": f}
 
 
 def _predict_eagle3(model, batch, parts, noise, generator):
@@ -247,7 +249,7 @@ def _predict_eagle3(model, batch, parts, noise, generator):
         if s == 0:
             q = q[c[first]]
         with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
-            p = last[:, 1 + s:][c[:, :T - 1 - s]] @ target_rows.T
+            p = target_logits_from_hidden(parts.config, target_rows, last[:, 1 + s:][c[:, :T - 1 - s]])
         steps.append({"q_logits": q, "p_logits": p})
     return {**steps[0], "steps": steps, "draft_ids": draft_ids,
             "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
@@ -264,7 +266,8 @@ def _predict_draft_lm(model, batch, parts):
             out[key] = batch[key][counted]
     elif "hidden_last" in batch:
         with torch.no_grad():
-            out["p_logits"] = parts.lm_head(batch["hidden_last"][counted].to(parts.lm_head.weight.dtype))
+            out["p_logits"] = target_logits_from_hidden(
+                parts.config, parts.lm_head, batch["hidden_last"][counted].to(parts.lm_head.weight.dtype))
     else:
         raise SpecdistillError("draft.kind draft_lm needs topk (or hidden_last) in the cache (cache.store)")
     return out

@@ -114,6 +114,8 @@ class EagleHead(nn.Module):
         from transformers import AutoModel
 
         cfg = llama_layer_config(target_config)
+        if getattr(target_config, "final_logit_softcapping", None):  # Gemma-2 caps what its LM head outputs
+            cfg.final_logit_softcapping = target_config.final_logit_softcapping
         self.config = cfg
         hidden = cfg.hidden_size
         body = AutoModel.from_config(cfg)
@@ -141,7 +143,11 @@ class EagleHead(nn.Module):
         return out.last_hidden_state
 
     def logits(self, features):
-        return self.lm_head(features)
+        """The target's LM head over the predicted feature, with the target's logit post-processing (Gemma-2's
+        final softcap), as the target reads its own features."""
+        from specdistill.target import target_logits_from_hidden
+
+        return target_logits_from_hidden(self.config, self.lm_head, features)
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         """Trainable weights under vLLM's names: fc.weight, layers.0.* (no embed, no lm_head, no norm)."""
