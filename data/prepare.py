@@ -40,8 +40,16 @@ def encode_rows(tokenizer, fmt: str, rows: list, cfg, skipped: Counter) -> list[
     for b in range(0, len(rows), BATCH_ROWS):
         batch = rows[b:b + BATCH_ROWS]
         items = [item for _, item in batch]
-        encoded = encode_texts(tokenizer, items) if fmt == "text" else encode_chats(tokenizer, items)
-        for (row, item), (ids, mask) in zip(batch, encoded):
+        if fmt == "text":
+            encoded = encode_texts(tokenizer, items)
+        else:
+            encoded = encode_chats(tokenizer, items, [f"{cfg.path}: row {row}" for row, _ in batch],
+                                   cfg.on_bad_row, cfg.chat_template_kwargs)
+        for (row, item), got in zip(batch, encoded):
+            if got is None:  # on_bad_row: skip, and no method could mask this conversation
+                skipped["unmaskable_chat"] += 1
+                continue
+            ids, mask = got
             if not cfg.pack:
                 ids, mask = ids[:cfg.max_length], mask[:cfg.max_length]
             if sum(mask) < cfg.min_assistant_tokens or not ids:

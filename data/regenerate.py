@@ -57,8 +57,17 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], cfg, desc: str)
     return replies
 
 
+def template_kwargs(recipe) -> dict:
+    """What the chat template gets while regenerating: corpus.chat_template_kwargs + the thinking switch."""
+    kw = dict(recipe.corpus.chat_template_kwargs)
+    if recipe.cache.regenerate_thinking is not None:
+        kw["enable_thinking"] = recipe.cache.regenerate_thinking
+    return kw
+
+
 def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str) -> list[dict]:
     rows, prompts, convs = [], [], []
+    kw = template_kwargs(recipe)
     for row, messages in zip(ds["row"], ds["messages"]):
         if not messages:
             raise SpecdistillError(f"cache.regenerate: row {row} of the prepared corpus is plain text; "
@@ -67,7 +76,7 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str) 
         if not prompt or prompt[-1]["role"] != "user":
             skipped["no_user_prompt"] += 1
             continue
-        ids = prompt_ids(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt, **kw)
         if len(ids) >= recipe.corpus.max_length:
             skipped["prompt_too_long"] += 1
             continue
@@ -75,7 +84,12 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str) 
     replies = generate_replies(model, tokenizer, prompts, recipe.cache, f"regenerating {name}") if prompts else []
     convs = [c + [{"role": "assistant", "content": r}] for c, r in zip(convs, replies)]
     out = []
-    for row, conv, (ids, mask) in zip(rows, convs, encode_chats(tokenizer, convs) if convs else []):
+    encoded = encode_chats(tokenizer, convs, [f"row {r}" for r in rows], "skip", kw) if convs else []
+    for row, conv, got in zip(rows, convs, encoded):
+        if got is None:
+            skipped["unmaskable_chat"] += 1
+            continue
+        ids, mask = got
         ids, mask = ids[:recipe.corpus.max_length], mask[:recipe.corpus.max_length]
         if sum(mask) < recipe.corpus.min_assistant_tokens:
             skipped["too_few_assistant_tokens"] += 1
@@ -96,6 +110,8 @@ def regenerated_corpus(recipe, source: Path, out_dir: Path, model, tokenizer=Non
               "temperature": recipe.cache.regenerate_temperature,
               "max_new_tokens": recipe.cache.regenerate_max_new_tokens, "max_length": recipe.corpus.max_length,
               "min_assistant_tokens": recipe.corpus.min_assistant_tokens}
+    if template_kwargs(recipe):  # only when set, so regenerated corpora made before the switch stay reusable
+        inputs["template_kwargs"] = template_kwargs(recipe)
     done = Path(out_dir) / "summary.json"
     if done.exists() and json.loads(done.read_text()).get("regenerated_from") == inputs:
         print(f"reusing regenerated corpus {out_dir}")

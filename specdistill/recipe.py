@@ -41,8 +41,11 @@ class CorpusConfig(Section):
     max_length: int = Field(1024, ge=8)
     pack: bool = False
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    on_bad_row: Literal["error", "skip"] = "error"
+    on_bad_row: Literal["error", "skip"] = Field("error", description="a malformed row or a conversation whose "
+                                                  "assistant tokens cannot be located: stop, or skip and count it")
     min_assistant_tokens: int = Field(1, ge=0)
+    chat_template_kwargs: dict[str, bool | int | float | str] = Field(
+        default_factory=dict, description="extra variables for the chat template, e.g. {enable_thinking: false}")
 
 
 class CacheConfig(Section):
@@ -57,6 +60,8 @@ class CacheConfig(Section):
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_new_tokens: int = Field(256, ge=1)
     regenerate_batch_size: int = Field(8, ge=1)
+    regenerate_thinking: bool | None = Field(None, description="thinking mode of the target while it regenerates "
+                                             "(the template's enable_thinking; Qwen3); None: the template's default")
 
 
 class LoraConfig(Section):

@@ -137,3 +137,82 @@ def test_every_row_without_assistant_tokens_stops(tmp_path, tokenizer):
     with pytest.raises(SpecdistillError, match="fewer than corpus.min_assistant_tokens=1"):
         prepare_corpus(make_recipe(path=str(DATA / "mt_bench.jsonl"), columns={"user": "turns.0"}, max_rows=5),
                        tmp_path / "c", tokenizer)
+
+
+# ------------------------------------------------------------------- templates that differ per turn
+
+# Qwen3's shape: the last assistant turn gets an empty think block, earlier ones do not; enable_thinking
+# false adds it to the generation prompt. Prefixes of a multi-turn conversation are not prefixes of it.
+QWEN3_LIKE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}{%- if loop.last -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{{ m.content | trim }}{{ '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}")
+# The same with the assistant turns marked, so the template returns the mask itself.
+MARKED = QWEN3_LIKE.replace("{{ m.content | trim }}{{ '<|im_end|>\\n' }}",
+                            "{% generation %}{{ m.content | trim }}{{ '<|im_end|>\\n' }}{% endgeneration %}")
+MULTI = [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."},
+         {"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Three."}]
+
+
+def with_template(tokenizer, template):
+    t = copy.deepcopy(tokenizer)
+    t.chat_template = template
+    return t
+
+
+def trained_text(tok, ids, mask):
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_template_that_differs_per_turn_is_masked_by_search(tokenizer):
+    tok = with_template(tokenizer, QWEN3_LIKE)
+    from specdistill.data.tokenize import prefix_spans, render
+
+    assert prefix_spans(tok, MULTI, render(tok, MULTI)) is None  # today's method alone cannot do it
+    (ids, mask), = encode_chats(tok, [MULTI])
+    assert tok.decode(ids) == render(tok, MULTI)
+    assert trained_text(tok, ids, mask) == "Four.<|im_end|>\nThree.<|im_end|>\n"
+
+
+def test_template_assistant_mask_is_used_when_the_template_marks_turns(tokenizer):
+    tok = with_template(tokenizer, MARKED)
+    (ids, mask), = encode_chats(tok, [MULTI])
+    direct = tok.apply_chat_template(MULTI, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(direct["input_ids"]) and mask == list(direct["assistant_masks"])
+    assert trained_text(tok, ids, mask).startswith("Four.")
+
+
+def test_unmaskable_rows_stop_or_are_skipped_by_on_bad_row(tmp_path, tokenizer):
+    tok = with_template(tokenizer, QWEN3_LIKE)
+    rows = [{"messages": MULTI}, {"messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": " Hello "},  # template trims it
+                                               {"role": "user", "content": "Bye"},
+                                               {"role": "assistant", "content": "Bye."}]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = make_recipe(path=str(path), columns={}, format="messages", heldout_fraction=0.0)
+    with pytest.raises(SpecdistillError, match=r"chat.jsonl: row 1: .*cannot be located; set corpus.on_bad_row: skip"):
+        prepare_corpus(recipe, tmp_path / "out", tokenizer=tok)
+    recipe = make_recipe(path=str(path), columns={}, format="messages", heldout_fraction=0.0, on_bad_row="skip")
+    summary = prepare_corpus(recipe, tmp_path / "out", tokenizer=tok)
+    assert summary["rows_skipped"] == {"unmaskable_chat": 1} and summary["sequences"] == 1
+
+
+def test_thinking_switch_reaches_the_template(tokenizer):
+    from specdistill.data.tokenize import prompt_ids
+
+    tok = with_template(tokenizer, QWEN3_LIKE)
+    on = tok.decode(prompt_ids(tok, MULTI[:1]))
+    off = tok.decode(prompt_ids(tok, MULTI[:1], enable_thinking=False))
+    assert off == on + "<think>\n\n</think>\n\n"
+    recipe = make_recipe()
+    recipe.cache.regenerate_thinking = False
+    from specdistill.data.regenerate import template_kwargs
+
+    assert template_kwargs(recipe) == {"enable_thinking": False}
