@@ -62,6 +62,38 @@ def offline(e: dict, source: str, key: str):
     return ((e.get("offline") or {}).get(source) or {}).get(key)
 
 
+def distribution_label(e: dict, source: str, key: str) -> str:
+    """What distribution an offline number was computed on ('full vocabulary', 'top-32+tail', 'draft vocab', ...),
+    from the metrics' own `labels`, else read from their `distribution` text (results written before labels)."""
+    m = (e.get("offline") or {}).get(source) or {}
+    if (m.get("labels") or {}).get(key):
+        return m["labels"][key]
+    text = m.get("distribution") or ""
+    if text.startswith("top-") and key != "top1":
+        k = text.split()[0]
+        return f"{k}+tail, upper bound" if key == "predicted_alpha" else f"{k}+tail"
+    if key == "fkl" and "fkl over the draft vocabulary" in text:
+        return "draft vocab"
+    return "full vocabulary"
+
+
+def column_label(evals: list[dict], source: str, key: str) -> str:
+    """' (top-32+tail)'-style suffix for a column when some value in it is not over the full vocabulary."""
+    found = sorted({distribution_label(e, source, key) for e in evals if offline(e, source, key) is not None})
+    found = [f for f in found if f != "full vocabulary"] or []
+    return f" ({' / '.join(found)})" if found else ""
+
+
+def first_draft_prediction(e: dict, source: str, temperature: float):
+    """The offline number that predicts alpha_at[0] at this temperature: top-1 at T=0 (greedy continuations),
+    predicted α = 1 − E[tvd] at T>0 (on the eval prompts: continuations sampled at T when measured)."""
+    if temperature == 0:
+        return offline(e, source, "top1")
+    if source == "prompts":
+        return offline(e, "prompts_sampled", "predicted_alpha")
+    return offline(e, source, "predicted_alpha")
+
+
 def temperatures(evals: list[dict]) -> list[float]:
     return sorted({float(r["temperature"]) for e in evals for r in e["results"]})
 
@@ -77,17 +109,86 @@ def num(x, digits: int = 3) -> str:
 
 
 def label(e: dict, many_runs: bool) -> str:
-    return f"{e['_run']}/{e['checkpoint']}" if many_runs else e["checkpoint"]
+    name = f"{e['_run']}/{e['checkpoint']}" if many_runs else e["checkpoint"]
+    return name + (" ⚠ STALE" if e.get("_stale") else "")
 
 
 def short_label(e: dict, many_runs: bool) -> str:
     return f"{e['_run']}@{e['step']}" if many_runs else str(e["step"])
 
 
+def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
+    """The held-out simulated tau (metrics.md) at the eval's K, from the per-depth acceptance training measured
+    (T=0: top1_at, T>0: alpha_at); depths past the unrolled ones repeat the deepest. None when not measured."""
+    held = (e.get("offline") or {}).get("heldout") or {}
+    per_depth = held.get("top1_at" if temperature == 0 else "alpha_at")
+    if not per_depth:
+        return None
+    k = int(k if k is not None else e.get("k") or len(per_depth))
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= per_depth[min(j, len(per_depth) - 1)]
+        total += run
+    return total
+
+
+HEADLINE_RULES = {
+    "simulated_tau": "best held-out simulated τ (offline, chosen without looking at the measured numbers)",
+    "last": "last checkpoint (not the best measured speedup: picking the maximum of noisy numbers biases it upward)",
+}
+
+
 def best_checkpoint(evals: list[dict]) -> dict:
-    """Highest speedup at T=0 (at the lowest temperature measured when no T=0 run exists)."""
+    """The headline checkpoint, by a rule that is not biased upward (HEADLINE_RULES): the best held-out
+    simulated τ when every checkpoint has one, else the last checkpoint. Results marked stale are passed over
+    while a fresh one exists. Sets `_headline_rule` on the chosen one."""
+    fresh = [e for e in evals if not e.get("_stale")] or evals
     t0 = temperatures(evals)[0]
-    return max(evals, key=lambda e: result_at(e, t0).get("speedup") or -math.inf)
+    sims = [heldout_simulated_tau(e, t0) for e in fresh]
+    if all(x is not None for x in sims):
+        best, rule = max(zip(fresh, sims), key=lambda x: x[1])[0], "simulated_tau"
+    else:
+        best, rule = max(fresh, key=lambda e: (e["step"] is not None, e["step"] or 0)), "last"
+    best["_headline_rule"] = rule
+    return best
+
+
+def ci(r: dict, key: str, digits: int = 3) -> str:
+    """' [low, high]' for a result's 95% bootstrap interval, '' when it has none."""
+    v = r.get(f"{key}_ci95")
+    return f" [{num(float(v[0]), digits)}, {num(float(v[1]), digits)}]" if v else ""
+
+
+# ------------------------------------------------------------------------------- stale results
+
+def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None) -> None:
+    """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
+
+    A result is the measurement of one checkpoint under one set of eval settings: one evaluated before a
+    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one."""
+    from specdistill.eval.evaluate import checkpoint_fingerprint
+
+    for e in evals:
+        reasons = []
+        step_dir = run_dir / str(e.get("checkpoint"))
+        recorded = e.get("checkpoint_fingerprint")
+        if not step_dir.is_dir():
+            reasons.append(f"checkpoint {step_dir.name} no longer exists")
+        elif not recorded:
+            reasons.append("unverified: no checkpoint_fingerprint recorded (evaluated by an older version)")
+        elif recorded != checkpoint_fingerprint(step_dir):
+            reasons.append(f"checkpoint changed since it was evaluated (fingerprint {recorded} ≠ "
+                           f"{checkpoint_fingerprint(step_dir)})")
+        if eval_settings is not None:
+            had = e.get("eval_settings")
+            if had is None:
+                reasons.append("unverified: no eval settings recorded")
+            else:
+                diff = sorted(k for k in set(had) | set(eval_settings) if had.get(k) != eval_settings.get(k))
+                if diff:
+                    reasons.append("eval settings differ from the recipe's: " + ", ".join(
+                        f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+        e["_stale"] = reasons
 
 
 def leviathan_tau(alpha: float, k: int) -> float:
@@ -125,20 +226,38 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+OFFLINE_NAMES = {"fkl": "fkl", "tvd": "tvd", "predicted_alpha": "pred α", "top1": "top-1"}
+
+
 def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
+    """Offline numbers (each labelled with the distribution it was computed on) and, per temperature, the
+    measured first-draft α next to pooled α and τ (with 95% bootstrap intervals over prompts) and the
+    held-out simulated τ that predicts τ."""
     temps = temperatures(evals)
+    sampled = any(offline(e, "prompts_sampled", "predicted_alpha") is not None for e in evals)
     header = ["checkpoint", "step"]
-    header += [f"{k} ({src})" for src in ("held-out", "prompts") for k in ("fkl", "tvd", "pred α", "top-1")]
+    header += [f"{OFFLINE_NAMES[k]} ({name}){column_label(evals, src, k)}"
+               for src, name in (("heldout", "held-out"), ("prompts", "prompts, greedy cont.")) for k in OFFLINE_KEYS]
+    if sampled:
+        header.append(f"pred α (prompts, sampled cont.){column_label(evals, 'prompts_sampled', 'predicted_alpha')}")
     for t in temps:
-        header += [f"α T={num(t, 1)}", f"τ T={num(t, 1)}", f"speedup T={num(t, 1)}", f"lossless T={num(t, 1)}"]
+        T = num(t, 1)
+        header += [f"α₁ T={T} (first draft)", f"α T={T} (pooled) [95% CI]", f"τ T={T} [95% CI]",
+                   f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]", f"lossless T={T}"]
     rows = []
     for e in evals:
         row = [label(e, many_runs), str(e["step"])]
         row += [num(offline(e, src, k)) for src in ("heldout", "prompts") for k in OFFLINE_KEYS]
+        if sampled:
+            row.append(num(offline(e, "prompts_sampled", "predicted_alpha")))
         for t in temps:
             r = result_at(e, t)
             lossless = "n/a (T>0)" if r and r.get("lossless") is None and t > 0 else num(r.get("lossless"))
-            row += [num(r.get("alpha")), num(r.get("tau")), num(r.get("speedup"), 2), lossless]
+            if r.get("lossless_vs_transformers") is not None:
+                lossless += f"; vs generate(): {num(r['lossless_vs_transformers'])}"
+            first = (r.get("alpha_at") or [None])[0]
+            row += [num(first), num(r.get("alpha")) + ci(r, "alpha"), num(r.get("tau")) + ci(r, "tau"),
+                    num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2), lossless]
         rows.append(row)
     return table(header, rows)
 
@@ -172,16 +291,18 @@ def time_table(evals: list[dict], many_runs: bool) -> str:
 
 
 def tau_k_table(evals: list[dict], many_runs: bool) -> str:
-    header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "speedup at K", "best K"]
+    header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "simulated τ (held-out)", "speedup at K",
+              "best K"]
     rows = []
     for e in evals:
         for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
             for k, tau in tau_points(e, r):
                 alpha = r.get("alpha")
                 speedup = (r.get("speedup_by_k") or {}).get(str(k), r.get("speedup") if k == e.get("k") else None)
-                rows.append([label(e, many_runs), num(float(r["temperature"]), 1), num(alpha), str(k), num(tau),
-                             num(leviathan_tau(alpha, k)) if alpha is not None else DASH, num(speedup, 2),
-                             num(r.get("best_k"))])
+                t = float(r["temperature"])
+                rows.append([label(e, many_runs), num(t, 1), num(alpha), str(k), num(tau),
+                             num(leviathan_tau(alpha, k)) if alpha is not None else DASH,
+                             num(heldout_simulated_tau(e, t, k)), num(speedup, 2), num(r.get("best_k"))])
     return table(header, rows)
 
 
@@ -284,21 +405,26 @@ def save_figure(fig, path: Path, footer: str) -> Path:
 
 
 def plot_alpha_vs_predicted(evals, many_runs, path, footer) -> Path:
-    """T=0: measured α against top-1; T>0: against predicted α = 1 − E[tvd]; both offline sources, y = x."""
+    """Like with like: the measured FIRST-draft α (alpha_at[0]) against the offline first-draft prediction:
+    top-1 at T=0, predicted α = 1 − E[tvd] at T>0 (eval prompts: on continuations sampled at T); y = x."""
     temps = temperatures(evals)
     fig, axes = new_figure(len(temps))
     for ax, t in zip(axes, temps):
         key, what = ("top1", "top-1") if t == 0 else ("predicted_alpha", "predicted α = 1 − E[tvd]")
         for src, marker in (("heldout", "o"), ("prompts", "s")):
-            pts = [(offline(e, src, key), result_at(e, t).get("alpha"), short_label(e, many_runs)) for e in evals]
+            pts = [(first_draft_prediction(e, src, t), (result_at(e, t).get("alpha_at") or [None])[0],
+                    short_label(e, many_runs)) for e in evals]
             pts = [p for p in pts if p[0] is not None and p[1] is not None]
             if pts:
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{what} ({src})")
+                where = src if src == "heldout" or t == 0 else "prompts, sampled cont."
+                dist = column_label(evals, "prompts_sampled" if where.endswith("sampled cont.") else src, key)
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{what} ({where}){dist}")
                 for x, y, name in pts:
                     ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="y = x")
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=f"offline {what}", ylabel="measured α",
-               title=f"measured α vs offline prediction, T={num(t, 1)} (labels: step)")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=f"offline first-draft {what}", ylabel="measured α at depth 1 (alpha_at[0])",
+               title=f"first-draft α vs offline prediction, T={num(t, 1)} (labels: step)")
+        ax.title.set_fontsize(9)
         ax.legend(fontsize=7)
     return save_figure(fig, path, footer)
 
@@ -307,12 +433,13 @@ def plot_alpha_vs_fkl(evals, many_runs, path, footer) -> Path:
     fig, (ax,) = new_figure()
     for t in temperatures(evals):
         for src, marker in (("heldout", "o"), ("prompts", "s")):
-            pts = [(offline(e, src, "fkl"), result_at(e, t).get("alpha")) for e in evals]
+            pts = [(offline(e, src, "fkl"), (result_at(e, t).get("alpha_at") or [None])[0]) for e in evals]
             pts = [p for p in pts if None not in p]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, label=f"T={num(t, 1)}, fkl on {src}")
-    ax.set(xlabel="offline fkl = KL(p ‖ q) (nats/token)", ylabel="measured α", ylim=(0, 1),
-           title="measured α vs offline forward KL, per checkpoint")
+                ax.scatter(*zip(*pts), marker=marker, label=f"T={num(t, 1)}, fkl on {src}{column_label(evals, src, 'fkl')}")
+    ax.set(xlabel="offline fkl = KL(p ‖ q) (nats/token; labelled when truncated or restricted)",
+           ylabel="measured α at depth 1 (alpha_at[0])", ylim=(0, 1),
+           title="first-draft α vs offline forward KL, per checkpoint")
     ax.legend(fontsize=7)
     return save_figure(fig, path, footer)
 
@@ -431,6 +558,10 @@ def run(recipe, args) -> None:
         if not (root / name).is_dir():
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
     runs = {name: load_evals(root / name) for name in names}
+    from specdistill.eval.evaluate import eval_settings
+
+    for name in names:  # the recipe's own eval settings apply to its own run only
+        check_freshness(runs[name], root / name, eval_settings(recipe) if name == recipe.run_name else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"
@@ -450,8 +581,10 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str) -> tu
     best = best_checkpoint(evals)
     t0 = temperatures(evals)[0]
     rb = result_at(best, t0)
-    headline = (f"best checkpoint: {label(best, True)} (by speedup at T={num(t0, 1)}): τ {num(rb.get('tau'))}, "
-                f"α {num(rb.get('alpha'))}, speedup {num(rb.get('speedup'), 2)}x, lossless {num(rb.get('lossless'))}")
+    headline = (f"headline checkpoint: {label(best, True)} (rule: {HEADLINE_RULES[best['_headline_rule']]}), "
+                f"T={num(t0, 1)}: τ {num(rb.get('tau'))}{ci(rb, 'tau')}, α {num(rb.get('alpha'))}{ci(rb, 'alpha')}, "
+                f"speedup {num(rb.get('speedup'), 2)}x{ci(rb, 'speedup', 2)}"
+                f"{' (95% bootstrap over prompts)' if rb.get('speedup_ci95') else ''}, lossless {num(rb.get('lossless'))}")
     figures = {
         "alpha_vs_predicted.png": plot_alpha_vs_predicted(evals, many, out_dir / "alpha_vs_predicted.png", footer),
         "alpha_vs_fkl.png": plot_alpha_vs_fkl(evals, many, out_dir / "alpha_vs_fkl.png", footer),
@@ -487,6 +620,17 @@ its numbers are the chain's.
 """
 
 
+def stale_section(evals: list[dict]) -> str:
+    """A visible block listing results that do not match their checkpoint or the recipe (check_freshness)."""
+    stale = [e for e in evals if e.get("_stale")]
+    if not stale:
+        return ""
+    lines = [f"- `{e['_file']}`: " + "; ".join(e["_stale"]) for e in stale]
+    return ("## ⚠ Stale or unverified results\nThese results do not match the checkpoint on disk or the recipe's "
+            "eval settings; they are marked ⚠ STALE below and are not chosen as the headline while a fresh one "
+            "exists. Rerun `specdistill eval` to replace them.\n\n" + "\n".join(lines) + "\n\n")
+
+
 def render(runs, evals, many, best, headline, footer, command, figures) -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
@@ -503,26 +647,36 @@ Reproduce:
 {reproduce}
 ```
 
-## Checkpoints: offline prediction vs measured decoding
+{stale_section(evals)}## Checkpoints: offline prediction vs measured decoding
 Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
 speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
-same target measured in the same run; lossless = token-identical to greedy (T=0) or a passed
-distribution test (T>0).{notes(evals, "lossless_note")}
+same target measured in the same run; lossless = token-identical to our own plain greedy decoding and
+("vs generate()") to transformers' greedy `generate()` (T=0), or a passed distribution test (T>0).
+Compare like with like: the offline top-1 and predicted α are teacher-forced *first-draft* numbers, so
+they predict α₁ (the measured acceptance at depth 1, `alpha_at[0]`), not the pooled α; pooled α and τ
+are predicted by the held-out simulated τ = 1 + Σₖ Πᵢ≤ₖ αᵢ from per-depth held-out acceptance (EAGLE-3's
+unrolled steps; `—` where the draft kind has none). A label in a header says what distribution an
+offline number is over: `top-k+tail` = the k cached ids plus one bucket for the rest (fkl and tvd are then
+lower bounds, pred α an upper bound), `draft vocab` = EAGLE-3's draft vocabulary with p renormalised.
+Intervals: 95% bootstrap over prompts.{notes(evals, "lossless_note")}
 
 {checkpoint_table(evals, many)}
 
 ![measured α vs predicted α]({figures['alpha_vs_predicted.png'].name})
 
-*Measured α against the offline number that predicts it: top-1 agreement at T=0 (greedy verification
-accepts when the argmaxes agree), predicted α = 1 − E[tvd] at T>0; dashed: y = x. {footer}*
+*Measured first-draft α (α₁ = `alpha_at[0]`) against the offline first-draft number that predicts it:
+top-1 agreement at T=0 (greedy verification accepts when the argmaxes agree), predicted α = 1 − E[tvd]
+at T>0 (on the eval prompts: over continuations sampled at that temperature); dashed: y = x. {footer}*
 
 ![measured α vs fkl]({figures['alpha_vs_fkl.png'].name})
 
-*Measured α against the offline forward KL of each checkpoint. {footer}*
+*Measured first-draft α against the offline forward KL of each checkpoint (labelled when over a
+truncated or restricted distribution). {footer}*
 
 ## τ per K against Leviathan's curve
 Dashed: E = (1 − α^(K+1)) / (1 − α) with the measured α; dots: measured τ. The gap shows that
-acceptance is not i.i.d. across draft depths.{best_k_notes(evals)}
+acceptance is not i.i.d. across draft depths. The table adds the held-out simulated τ at each K, the
+offline prediction of τ (depths past the unrolled ones repeat the deepest one's acceptance).{best_k_notes(evals)}
 
 {tau_k_table(evals, many)}
 
@@ -537,7 +691,7 @@ Speedups over our own plain autoregressive baseline of the same run (tokens/s in
 
 ![comparators]({figures['comparators.png'].name})
 
-*Best checkpoint {label(best, True)} against transformers' own generation modes. {footer}*
+*Headline checkpoint {label(best, True)} against transformers' own generation modes. {footer}*
 
 {methods_section(runs) if many else ""}## Chain vs tree drafting (T=0)
 For a tree, α per depth is the share of steps whose accepted path went one level deeper; its τ is the

