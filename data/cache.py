@@ -283,17 +283,51 @@ def select_rows(recipe, dd, summary: dict, corpus_path: Path):
 
 
 def cache_settings(recipe, store: list[str]) -> dict:
-    """The cache keys that shape the shards: regenerate_* act through the corpus fingerprint, topk only when stored."""
+    """The cache keys that shape the shards: regenerate_* act through the corpus fingerprint, topk only when stored;
+    where the cache lives and how training reads it (dir, mode) do not shape it."""
     skip = {k for k in type(recipe.cache).model_fields if k.startswith("regenerate")} | (set() if "topk" in store else {"topk"})
-    return recipe.cache.model_dump(mode="json", exclude=skip)
+    return recipe.cache.model_dump(mode="json", exclude=skip | {"dir", "mode"})
 
 
-def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokenizer=None) -> dict:
-    """Cache the target's outputs for the prepared corpus at corpus_path into cache_path (resumable)."""
+def cache_key(fingerprints: dict, store: list[str], aux_layers: list[int]) -> str:
+    """The shared cache folder's name: a hash of everything that shapes the cache (what it is made from, what it stores)."""
+    what = {**fingerprints, "store": store, "aux_layers": aux_layers}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Lock:
+    """An exclusive lock file, so two runs never write one shared cache at the same time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(self.path, "w")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process writing the same cache ({self.path}) ...", flush=True)
+            fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, tokenizer=None,
+                shared_root: Path | None = None) -> dict:
+    """Cache the target's outputs for the prepared corpus at corpus_path into cache_path (resumable).
+
+    With shared_root, the cache goes to shared_root/<cache_key> instead (cache_path is ignored) and a
+    complete one there is reused whatever run made it; manifest["_path"] says where it is.
+    """
     from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_target_config, load_tokenizer
 
     t0 = time.time()
-    corpus_path, cache_path = Path(corpus_path), Path(cache_path)
+    corpus_path, cache_path = Path(corpus_path), (Path(cache_path) if cache_path is not None else None)
     dd, corpus_summary = load_prepared(corpus_path)
     dd, corpus_summary = select_rows(recipe, dd, corpus_summary, corpus_path)
     lengths = {s: [len(x) for x in dd[s]["input_ids"]] for s in SPLITS}
@@ -318,13 +352,28 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokeniz
     per_token = bytes_per_token(store, cfg.hidden_size, len(aux_layers), recipe.cache.topk,
                                 CACHE_DTYPES[recipe.cache.dtype])
     plans = {s: plan_shards(lengths[s], recipe.cache.shard_tokens) for s in SPLITS}
+    if shared_root is not None:
+        key = cache_key(fingerprints, store, aux_layers)
+        cache_path = Path(shared_root) / key
+        manifest = load_manifest(cache_path)
+        if manifest is not None and manifest.get("complete"):
+            check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
+            return {**manifest, "_path": str(cache_path), "_reused": True, "_seconds": round(time.time() - t0, 2)}
+        with _Lock(Path(shared_root) / f"{key}.lock"):
+            return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store,
+                          aux_layers, cfg, per_token, plans, model, t0)
+    return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store,
+                  aux_layers, cfg, per_token, plans, model, t0)
 
+
+def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store, aux_layers,
+           cfg, per_token, plans, model, t0) -> dict:
     manifest = load_manifest(cache_path)
     if manifest is not None:
         check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
         if manifest.get("complete"):
             print(f"cache {cache_path} is complete and matches the recipe; nothing to do")
-            return manifest
+            return {**manifest, "_path": str(cache_path)}
         for s in SPLITS:
             manifest["splits"][s]["shards"] = completed_shards(manifest, s, cache_path)
     else:
@@ -363,6 +412,7 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path, model=None, tokeniz
     compute_seconds = time.time() - compute_t0
     manifest["_run"] = {"tokens": total_tokens, "computed_tokens": computed_tokens, "seconds": round(seconds, 2),
                         "tokens_per_s": round(computed_tokens / max(compute_seconds, 1e-9), 1)}
+    manifest["_path"] = str(cache_path)
     return manifest
 
 
@@ -385,15 +435,35 @@ def load_model(recipe):
     return load_target(recipe.target, "cuda" if torch.cuda.is_available() else "cpu")
 
 
+def link_run_cache(link: Path, shared: Path) -> None:
+    """Point checkpoints/<run>/cache at the shared cache (atomically: a temp link renamed over the old one)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.link-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(Path(shared).resolve(), target_is_directory=True)
+    os.replace(tmp, link)
+
+
 def run(recipe, args=None) -> dict:
     from specdistill.data.regenerate import regenerated_corpus
+    from specdistill.layout import shared_cache_root
 
     source = corpus_dir(recipe.run_dir)
-    target_dir = cache_dir(recipe.run_dir)
+    link = cache_dir(recipe.run_dir)
     model = None
     if recipe.cache.regenerate:
         model = load_model(recipe)
         source = regenerated_corpus(recipe, source, source.with_name("corpus-regenerated"), model)
-    manifest = build_cache(recipe, source, target_dir, model=model)
-    print_summary(manifest, target_dir)
+    if link.is_dir() and not link.is_symlink():  # a run cached inside itself before caches were shared: keep it
+        manifest = build_cache(recipe, source, link, model=model)
+        print_summary(manifest, link)
+        return manifest
+    manifest = build_cache(recipe, source, None, model=model, shared_root=shared_cache_root(recipe))
+    shared = Path(manifest["_path"])
+    link_run_cache(link, shared)
+    if manifest.get("_reused"):
+        print(f"reused the shared cache {shared} (same target, tokenizer, corpus and cache settings): "
+              f"nothing computed, {manifest['_seconds']} s; {link} -> it", flush=True)
+    print_summary(manifest, link)
     return manifest

@@ -15,8 +15,11 @@ def resolved_yaml(recipe) -> str:
 
 
 def run(recipe, args=None) -> str:
+    from specdistill import layout
+
     text = resolved_yaml(recipe)
     text += (f"# recipe file: {recipe.source}\n"
-             f"# run directory: {recipe.run_dir}\n")
+             f"# run directory: {recipe.run_dir}\n"
+             f"# shared cache directory: {layout.shared_cache_root(recipe)}\n")
     print(text, end="")
     return text

@@ -13,8 +13,14 @@ def corpus_dir(run_dir: Path) -> Path:
 
 
 def cache_dir(run_dir: Path) -> Path:
-    """Target outputs: <split>/shard-NNNNN.safetensors plus manifest.json."""
+    """Target outputs: <split>/shard-NNNNN.safetensors plus manifest.json. A link into the shared cache
+    directory (`shared_cache_root`), or a real directory for runs cached before caches were shared."""
     return run_dir / "cache"
+
+
+def shared_cache_root(recipe) -> Path:
+    """Caches shared by runs, one folder per fingerprint key: cache.dir, else <output_dir>/shared-cache."""
+    return Path(recipe.cache.dir).expanduser() if recipe.cache.dir else recipe.output_root / "shared-cache"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:

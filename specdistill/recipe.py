@@ -49,6 +49,8 @@ class CorpusConfig(Section):
 
 
 class CacheConfig(Section):
+    dir: str | None = Field(None, description="where caches live, shared by runs and keyed by their fingerprint "
+                                              "(target, tokenizer, corpus, stored kinds); default <output_dir>/shared-cache")
     store: list[Literal["hidden_last", "hidden_aux", "topk"]] | None = Field(
         None, description="what to store per token; default: what draft.kind needs")
     aux_layers: list[int] | None = Field(None, description="hidden_states indices for EAGLE-3; default 2, N//2, N-3")

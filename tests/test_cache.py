@@ -279,3 +279,62 @@ def test_corpus_prepared_with_another_tokenizer_stops(tmp_path, tiny):
     prepare_corpus(recipe, tmp_path / "corpus", other)
     with pytest.raises(SpecdistillError, match="prepared with another tokenizer"):
         build_cache(recipe, tmp_path / "corpus", tmp_path / "cache", model=model, tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------- shared cache
+
+def write_recipe_file(tmp_path, target, extra: str = "") -> Path:
+    p = tmp_path / "shared.yaml"
+    p.write_text(f"target: {{path: {target}}}\noutput_dir: {tmp_path / 'runs'}\n"
+                 f"corpus: {{path: {DATA / 'gsm8k_train.jsonl'}, format: columns, "
+                 f"columns: {{user: question, assistant: answer}}, max_rows: 12, max_length: 96}}\n"
+                 f"draft: {{kind: eagle}}\ntrain: {{max_steps: 1, save_every: 1}}\n{extra}")
+    return p
+
+
+def test_a_second_run_name_reuses_the_shared_cache(tmp_path, tiny, capsys):
+    from specdistill.cli import main
+
+    target, _, _ = tiny
+    recipe = write_recipe_file(tmp_path, target)
+    for run in ("a", "b"):
+        assert main(["prepare", "--recipe", str(recipe), f"run_name={run}"]) == 0
+    assert main(["cache", "--recipe", str(recipe), "run_name=a"]) == 0
+    assert "reused" not in capsys.readouterr().out
+    t0 = time.time()
+    assert main(["cache", "--recipe", str(recipe), "run_name=b"]) == 0
+    seconds = time.time() - t0
+    out = capsys.readouterr().out
+    runs = tmp_path / "runs"
+    shared = [p for p in (runs / "shared-cache").iterdir() if p.is_dir()]
+    assert len(shared) == 1 and "reused the shared cache" in out and str(shared[0]) in out
+    assert seconds < 10
+    for run in ("a", "b"):
+        assert (runs / run / "cache").is_symlink() and (runs / run / "cache").resolve() == shared[0].resolve()
+    assert len(CacheDataset(runs / "b" / "cache", "train")) > 0
+    # another stored kind is another cache; the run's link follows the recipe
+    assert main(["cache", "--recipe", str(recipe), "run_name=b", "draft.kind=draft_lm"]) == 0
+    assert "reused" not in capsys.readouterr().out
+    assert len([p for p in (runs / "shared-cache").iterdir() if p.is_dir()]) == 2
+    assert (runs / "b" / "cache").resolve() != shared[0].resolve()
+    assert (runs / "a" / "cache").resolve() == shared[0].resolve()
+    # cache.dir puts them elsewhere
+    assert main(["cache", "--recipe", str(recipe), "run_name=a", f"cache.dir={tmp_path / 'elsewhere'}"]) == 0
+    assert (runs / "a" / "cache").resolve().parent == (tmp_path / "elsewhere").resolve()
+
+
+def test_a_run_cached_inside_itself_keeps_its_cache(tmp_path, tiny, capsys):
+    from specdistill.cli import main
+
+    target, _, _ = tiny
+    recipe = write_recipe_file(tmp_path, target)
+    assert main(["prepare", "--recipe", str(recipe), "run_name=old"]) == 0
+    from specdistill.recipe import load_recipe
+
+    r = load_recipe(recipe, ["run_name=old"])
+    build_cache(r, r.run_dir / "corpus", r.run_dir / "cache")  # how runs were cached before caches were shared
+    before = shard_checksums(r.run_dir / "cache")
+    assert main(["cache", "--recipe", str(recipe), "run_name=old"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert not (r.run_dir / "cache").is_symlink() and shard_checksums(r.run_dir / "cache") == before
+    assert not (tmp_path / "runs" / "shared-cache").exists()
