@@ -257,3 +257,18 @@ def test_alpha_plot_is_first_draft_alpha_against_first_draft_prediction(recipe, 
     got = sorted((round(x[0], 3), round(y[0], 3)) for x, y, _ in points)
     assert got == [(0.42, 0.5), (0.5, 0.5), (0.55, 0.6), (0.57, 0.6)]
     assert any("sampled cont." in (lab or "") for _, _, lab in points)
+
+
+def test_export_readme_refuses_results_of_another_checkpoint_version(tmp_path):
+    """The export README quotes measured τ/α (and takes the best K) only from an eval of these very weights."""
+    from specdistill.train.export import eval_summary
+
+    run_dir = write_run(tmp_path, "runA", [eval_json(200, 0.55, 1.31)])
+    data, text = eval_summary(run_dir, "step-0000200")
+    assert data is not None and "- T=0, K=4: tau 2.100" in text and "unverified" not in text
+    (run_dir / "step-0000200" / "draft.safetensors").write_bytes(b"retrained")
+    data, text = eval_summary(run_dir, "step-0000200")
+    assert data is None and "measured another version of this checkpoint" in text and "tau" not in text
+    old = write_run(tmp_path, "runB", [eval_json(200, 0.55, 1.31)], fingerprint=False)
+    data, text = eval_summary(old, "step-0000200")
+    assert "⚠ unverified" in text and "- T=0, K=4: tau 2.100" in text

@@ -463,7 +463,13 @@ def eval_summary(run_dir: Path, checkpoint: str) -> tuple[dict | None, str]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
-    lines = []
+    from specdistill.eval.evaluate import checkpoint_fingerprint
+
+    recorded, current = data.get("checkpoint_fingerprint"), checkpoint_fingerprint(run_dir / checkpoint)
+    if recorded and recorded != current:  # measured on other weights: refuse it (and its best K)
+        return None, (f"not shown: {path.name} measured another version of this checkpoint (fingerprint "
+                      f"{recorded} ≠ {current}); rerun `specdistill eval`")
+    lines = [] if recorded else [f"- ⚠ unverified: {path.name} records no checkpoint fingerprint (an older eval)"]
     for r in data.get("results", []):
         t = float(r.get("temperature", 0))
         lossless = {True: "yes", False: "NO", None: "n/a (T>0)" if t > 0 else "—"}.get(r.get("lossless"))
