@@ -24,7 +24,7 @@ STAGES = {
     "report": ("specdistill.eval.report", "write report.md with plots: offline KL vs measured acceptance",
                [("--runs", dict(nargs="+", default=None, help="compare several run names"))]),
     "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
-               [("--checkpoint", dict(default=None, help="step-N (default: the last)")),
+               [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
                 ("--format", dict(default=None, help="vllm-eagle, vllm-eagle3, speculators or hf (default: the recipe's)"))]),
     "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
 }

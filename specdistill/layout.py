@@ -33,6 +33,11 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+def best_link(run_dir: Path) -> Path:
+    """A link to the checkpoint with the best held-out train.best_metric (train/checkpoint.py)."""
+    return run_dir / "best"
+
+
 def eval_dir(run_dir: Path) -> Path:
     return run_dir / "eval"
 

@@ -123,6 +123,10 @@ class TrainConfig(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
+    keep_last: int | None = Field(None, ge=1, description="keep the optimizer (DeepSpeed) state of the last N "
+                                  "checkpoints only; older ones keep weights and metrics; None: keep all")
+    best_metric: str = Field("predicted_alpha", description="held-out metric that picks the `best` checkpoint link "
+                             "(fkl, tvd, loss-like metrics: lowest; others: highest)")
 
 
 class EvalConfig(Section):

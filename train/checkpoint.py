@@ -2,6 +2,10 @@
 
 Layout (docs/DESIGN.md): draft.safetensors (the draft's own weights), draft_config.json,
 metrics.json, ds/ (DeepSpeed state for resume), COMPLETE (last).
+
+Housekeeping after each save: with `train.keep_last N` only the N newest checkpoints keep ds/ (older
+ones keep weights and metrics); `best` links to the checkpoint with the best held-out
+`train.best_metric` (lowest for divergences and losses, highest otherwise).
 """
 from __future__ import annotations
 
@@ -64,3 +68,70 @@ def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_con
 
 def load_ds_state(engine, step_dir: Path) -> None:
     engine.load_checkpoint(str(step_dir / "ds"), tag=DS_TAG)
+
+
+LOWER_IS_BETTER = ("fkl", "rkl", "jsd", "tvd", "loss", "kl", "nll", "ce", "perplexity")
+
+
+def lower_is_better(metric: str) -> bool:
+    name = metric.lower()
+    return any(name == k or name.endswith("_" + k) or name.startswith(k + "_") for k in LOWER_IS_BETTER)
+
+
+def drop_old_optimizer_state(run_dir: Path, keep_last: int | None) -> list[Path]:
+    """Remove ds/ from all but the keep_last newest complete checkpoints; returns the checkpoints thinned."""
+    if not keep_last:
+        return []
+    thinned = []
+    for step_dir in layout.checkpoints(run_dir)[:-keep_last]:
+        if (step_dir / "ds").exists():
+            shutil.rmtree(step_dir / "ds")
+            thinned.append(step_dir)
+    return thinned
+
+
+def best_checkpoint(run_dir: Path, metric: str) -> tuple[Path, float] | None:
+    """(checkpoint, value) with the best held-out `metric`; ties go to the later checkpoint. None without values."""
+    best = None
+    lower = lower_is_better(metric)
+    for step_dir in layout.checkpoints(run_dir):
+        try:
+            value = json.loads((step_dir / "metrics.json").read_text()).get("heldout", {}).get(metric)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(value, (int, float)) or value != value:
+            continue
+        if best is None or (value <= best[1] if lower else value >= best[1]):
+            best = (step_dir, float(value))
+    return best
+
+
+def link_best(run_dir: Path, metric: str) -> tuple[Path, float] | None:
+    """Point run_dir/best at the best checkpoint (a relative link, replaced atomically)."""
+    best = best_checkpoint(run_dir, metric)
+    link = layout.best_link(run_dir)
+    if best is None:
+        return None
+    tmp = link.with_name(f".best.tmp-{os.getpid()}")
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(best[0].name, target_is_directory=True)
+    os.replace(tmp, link)
+    _write_json(run_dir / "best.json", {"checkpoint": best[0].name, "metric": f"heldout.{metric}", "value": best[1],
+                                        "rule": "lowest" if lower_is_better(metric) else "highest"})
+    return best
+
+
+def housekeeping(run_dir: Path, keep_last: int | None, metric: str) -> str:
+    """After a save (rank 0): thin old optimizer state, relink `best`; returns a line saying what it did."""
+    thinned = drop_old_optimizer_state(run_dir, keep_last)
+    best = link_best(run_dir, metric)
+    parts = []
+    if best is not None:
+        rule = "lowest" if lower_is_better(metric) else "highest"
+        parts.append(f"best: {best[0].name} ({rule} held-out {metric} = {best[1]:.4f})")
+    else:
+        parts.append(f"best: none (no checkpoint has a held-out {metric})")
+    if thinned:
+        parts.append(f"optimizer state dropped from {', '.join(p.name for p in thinned)} (train.keep_last={keep_last})")
+    return "; ".join(parts)

@@ -63,8 +63,13 @@ def run(recipe, args) -> None:
 
 
 def pick_checkpoint(run_dir: Path, name: str | None) -> Path:
-    """`step-N`, `N` or None (the last complete checkpoint)."""
+    """`step-N`, `N`, `best` (the train.best_metric link) or None (the last complete checkpoint)."""
     done = layout.checkpoints(run_dir)
+    if name == "best":
+        link = layout.best_link(run_dir)
+        if not link.is_symlink() or not (link.resolve() / "COMPLETE").exists():
+            raise SpecdistillError(f"{link}: no best checkpoint (train links it after each save)")
+        return link.resolve()
     if name in (None, "last"):
         if not done:
             raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")

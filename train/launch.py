@@ -60,10 +60,64 @@ def in_process(recipe) -> bool:
     return tc.num_gpus == 1 and tc.num_nodes == 1 and not tc.hostfile
 
 
+# Keys that may change between a run and its resumption: they do not change what the checkpoints so far
+# were trained on (how long to go on, how often to save/log, where outputs go, how runs are compared).
+RESUMABLE_CHANGES = ("run_name", "output_dir", "cache.dir", "cache.mode", "eval", "export", "train.max_steps",
+                     "train.save_every", "train.log_every", "train.heldout_batches", "train.keep_last",
+                     "train.best_metric", "train.report_to", "train.num_gpus", "train.num_nodes", "train.hostfile")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not key.startswith(("loss.terms", "corpus.columns", "corpus.chat_template_kwargs")):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changed_settings(recipe, saved: dict) -> list[str]:
+    """Keys whose value differs from the run's train_recipe.yaml (keys that file lacks, added since, are not compared)."""
+    now, before = _flat(recipe_dump(recipe)), _flat(saved)
+    allowed = lambda k: any(k == a or k.startswith(a + ".") for a in RESUMABLE_CHANGES)
+    return [f"{k}: {before[k]!r} -> {now.get(k)!r}" for k in sorted(before)
+            if not allowed(k) and k in now and json.dumps(now[k], sort_keys=True) != json.dumps(before[k], sort_keys=True)]
+
+
+def check_rerun(recipe) -> None:
+    """A run with checkpoints resumes only under the settings it was trained with."""
+    resolved = recipe.run_dir / "train_recipe.yaml"
+    if not layout.checkpoints(recipe.run_dir) or not resolved.exists():
+        return
+    diff = changed_settings(recipe, yaml.safe_load(resolved.read_text()) or {})
+    if diff:
+        raise SpecdistillError(f"{recipe.run_dir} holds checkpoints trained with other settings ({'; '.join(diff)}); "
+                               f"resuming would mix them: use another run_name, or pass --restart to start this run over")
+
+
+def restart(run_dir: Path) -> None:
+    """--restart: remove what training and the stages after it wrote (checkpoints, logs, best, eval, report, export);
+    the prepared corpus and the cache stay."""
+    import shutil
+
+    for p in list(run_dir.glob("step-*")) + [layout.tb_dir(run_dir), layout.eval_dir(run_dir), run_dir / "export"]:
+        shutil.rmtree(p, ignore_errors=True)
+    for name in ("train_log.jsonl", "best.json", "report.md", "train_recipe.yaml"):
+        (run_dir / name).unlink(missing_ok=True)
+    if layout.best_link(run_dir).is_symlink():
+        layout.best_link(run_dir).unlink()
+    print(f"--restart: removed the checkpoints, logs and results of {run_dir}; training from step 0", flush=True)
+
+
 def run(recipe, args=None, stop_after: int | None = None):
     cache = layout.cache_dir(recipe.run_dir)
     if not (cache / "manifest.json").exists():
         raise SpecdistillError(f"{cache}: no cache; run `specdistill cache --recipe {recipe.source}` first")
+    if getattr(args, "restart", False):
+        restart(recipe.run_dir)
+    check_rerun(recipe)
     resolved = write_run_files(recipe)
     if in_process(recipe):
         from specdistill.train.loop import train

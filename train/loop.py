@@ -271,7 +271,11 @@ def _save(engine, kind, draft, recipe, step, rank, meta, heldout, parts, writer,
             if isinstance(v, (int, float)) and k not in ("temperature",):
                 writer.add_scalar(f"heldout/{k}", v, step)
         writer.flush()
-    return checkpoint.save_checkpoint(recipe.run_dir, step, engine, own, config, metrics, rank)
+    saved = checkpoint.save_checkpoint(recipe.run_dir, step, engine, own, config, metrics, rank)
+    if rank == 0:  # keep_last / best link (train/checkpoint.py)
+        print(f"saved {saved.name}; " + checkpoint.housekeeping(recipe.run_dir, recipe.train.keep_last,
+                                                                recipe.train.best_metric), flush=True)
+    return saved
 
 
 def _gathered_own_state(engine, kind, draft) -> dict:
