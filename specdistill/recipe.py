@@ -76,7 +76,8 @@ class LoraConfig(Section):
 class DraftConfig(Section):
     kind: Literal["eagle", "eagle3", "draft_lm"]
     # draft_lm: a small causal LM with the target's tokenizer
-    init_from: str | None = Field(None, description="draft_lm: an existing small model (hub id or dir)")
+    init_from: str | None = Field(None, description="draft_lm: an existing small model (hub id or dir); eagle/eagle3: "
+                                  "a released head to continue training (vllm-eagle, vllm-eagle3 or speculators dir)")
     num_layers: int = Field(2, ge=1)
     hidden_size: int | None = Field(None, description="draft_lm: default the target's")
     intermediate_size: int | None = None

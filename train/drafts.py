@@ -79,7 +79,12 @@ def build_draft(recipe, target_config, target_embed, target_lm_head, target_dir:
         target_dir = resolve_target(recipe.target)
     if kind == "eagle":
         head = EagleHead(target_config)
-        _init_layer(recipe, head.body.layers[0], target_dir, target_config)
+        if recipe.draft.init_from:  # warm start from a released / exported head (train/warm_start.py)
+            from specdistill.train.warm_start import warm_eagle
+
+            warm_eagle(recipe.draft.init_from, head, target_config)
+        else:
+            _init_layer(recipe, head.body.layers[0], target_dir, target_config)
         return head.bind_target(target_embed, target_lm_head)
     if kind == "eagle3":
         return _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_dir, weights)
@@ -93,6 +98,17 @@ def _build_eagle3(recipe, target_config, target_embed, target_lm_head, target_di
     if not weights:
         with torch.device("meta"):
             return Eagle3Head(target_config, vd, aux)
+    if recipe.draft.init_from:  # warm start from a released / exported head (train/warm_start.py)
+        from specdistill.train.warm_start import released_eagle3_shape, warm_eagle3
+
+        vd, released_aux = released_eagle3_shape(recipe.draft.init_from, target_config)
+        if released_aux is not None and list(released_aux) != list(aux):
+            raise SpecdistillError(f"draft.init_from {recipe.draft.init_from}: the head reads target layers "
+                                   f"{released_aux}, the cache holds {aux}; set cache.aux_layers: {released_aux}")
+        head = Eagle3Head(target_config, vd, aux)
+        head.config.ttt_steps = recipe.draft.ttt_steps
+        warm_eagle3(recipe.draft.init_from, head, target_config)
+        return head.bind_target(target_embed)
     head = Eagle3Head(target_config, vd, aux)
     head.config.ttt_steps = recipe.draft.ttt_steps
     _init_layer(recipe, head.layers[0], target_dir, target_config)

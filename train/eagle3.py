@@ -92,9 +92,17 @@ class Eagle3Head(nn.Module):
     def aux_layers(self) -> list[int]:
         return list(self.config.eagle_aux_hidden_state_layer_ids)
 
+    keep_fc_function = False  # set by a warm start: fc's weights already read the states at their old scale
+
     def set_aux_scale(self, aux_std: torch.Tensor) -> None:
-        """aux_std: per-dimension std of the cached aux features [A*H]; fc then sees unit-scale inputs."""
-        self.aux_scale.copy_(1.0 / aux_std.clamp_min(1e-3))
+        """aux_std: per-dimension std of the cached aux features [A*H]; fc then sees unit-scale inputs.
+        A warm-started head rescales fc so that fc(aux * aux_scale) stays what it computed before."""
+        new = 1.0 / aux_std.clamp_min(1e-3)
+        if self.keep_fc_function:
+            with torch.no_grad():
+                ratio = (self.aux_scale.float() / new.float().to(self.aux_scale.device))[None, :]
+                self.fc.weight.copy_((self.fc.weight.float() * ratio).to(self.fc.weight.dtype))
+        self.aux_scale.copy_(new)
 
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         d2t, t2d = vocab_maps(draft_ids, self.config.vocab_size)
