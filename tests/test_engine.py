@@ -278,10 +278,12 @@ def wrong_residual_verify_chain(p, q, draft, generator=None):
     return a, int(sampling.sample(p[a], generator))
 
 
-@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle", "eagle3"])
-@pytest.mark.parametrize("rule", [wrong_verify_chain, wrong_residual_verify_chain], ids=["bonus", "residual"])
+@pytest.mark.parametrize("draft_name, rule", [("draft_lm", wrong_verify_chain), ("eagle", wrong_verify_chain),
+                                              ("eagle3", wrong_verify_chain), ("eagle3", wrong_residual_verify_chain)],
+                         ids=["draft_lm-bonus", "eagle-bonus", "eagle3-bonus", "eagle3-residual"])
 def test_sampling_distribution_test_catches_a_wrong_rule(monkeypatch, draft_name, rule):
-    """The same joint test rejects the engine when verify_chain is replaced by a wrong rule."""
+    """The same joint test rejects the engine when verify_chain is replaced by a wrong rule: for each draft kind a
+    rule wrong only at depth 2 (the bonus), and for EAGLE-3 (q on a reduced vocabulary) a wrong residual."""
     import specdistill.eval.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "verify_chain", rule)

@@ -77,3 +77,36 @@ def test_verify_greedy():
     assert verify_greedy(logits, torch.tensor([2, 6, 0])) == (3, 5)
     assert verify_greedy(logits, torch.tensor([2, 1, 0])) == (1, 6)
     assert verify_greedy(logits[:1], torch.empty(0, dtype=torch.long)) == (0, 2)
+
+
+def chain_depth_two_counts(rule, draws: int = 20_000):
+    """verify_chain (the function the engine calls) on a 2-token chain with fixed rows: given the first drafted
+    token was accepted, the token emitted at depth 2 (accepted draft, correction or nothing else) must be ~ p[1];
+    and after two acceptances the bonus must be ~ p[2]."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.softmax(2.0 * torch.randn(3, V, generator=g), -1)
+    q = torch.softmax(2.0 * torch.randn(2, V, generator=g), -1)
+    second, bonus = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+    for _ in range(draws):
+        draft = torch.multinomial(q, 1, generator=g).squeeze(-1)
+        a, nxt = rule(p, q, draft, g)
+        if a >= 1:
+            second[int(draft[1]) if a == 2 else nxt] += 1
+        if a == 2:
+            bonus[nxt] += 1
+    return second, bonus, p.double()
+
+
+def test_verify_chain_depth_two_reproduces_p():
+    second, bonus, p = chain_depth_two_counts(verify_chain)
+    assert second.sum() > 1000 and bonus.sum() > 200
+    assert p_value(second, p[1]) > 1e-3 and p_value(bonus, p[2]) > 1e-3
+
+
+def test_verify_chain_depth_two_catches_wrong_rows():
+    """The same test fails when depth 2 is judged with depth 1's rows (an indexing bug a 1-token test misses)."""
+    def wrong(p, q, draft, g):  # p and q of the first position used at every depth
+        return verify_chain(p[[0, 0, 0]], q[[0, 0]], draft, g)
+
+    second, bonus, p = chain_depth_two_counts(wrong)
+    assert p_value(second, p[1]) < 1e-3
