@@ -149,13 +149,13 @@ def pad_batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor
 
 def compute_shard(model, split_ds, indices: range, lengths: list[int], settings: dict, bar=None) -> dict:
     """The shard's tensors (DESIGN.md table), sequences in corpus order."""
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device if model is not None else "cpu"
     rows = split_ds.select(indices)
     input_ids = [list(x) for x in rows["input_ids"]]
     loss_masks = [list(x) for x in rows["loss_mask"]]
     pieces: dict[int, dict] = {}
     local_lengths = [lengths[i] for i in indices]
-    for batch in plan_batches(range(len(indices)), local_lengths, settings["batch_tokens"]):
+    for batch in plan_batches(range(len(indices)), local_lengths, settings["batch_tokens"]) if settings["store"] else []:
         ids, mask = pad_batch([input_ids[i] for i in batch], device)
         out = target_outputs(model, ids, mask, settings["store"], settings["aux_layers"], settings["topk"],
                              CACHE_DTYPES[settings["dtype"]])
@@ -171,8 +171,10 @@ def compute_shard(model, split_ds, indices: range, lengths: list[int], settings:
         "loss_mask": torch.tensor([m for i in order for m in loss_masks[i]], dtype=torch.uint8),
         "seq_lens": torch.tensor(local_lengths, dtype=torch.int64),
     }
-    for name in pieces[0]:
+    for name in pieces.get(0, {}):
         tensors[name] = torch.cat([pieces[i][name] for i in order]).contiguous()
+    if bar is not None and not settings["store"]:
+        bar.update(sum(local_lengths))
     return tensors
 
 
@@ -341,8 +343,12 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
     cfg = model.config if model is not None else load_target_config(recipe.target)
     store = resolve_store(recipe)
     aux_layers = resolve_aux_layers(recipe, cfg.num_hidden_layers) if "hidden_aux" in store else []
+    online = None
+    if recipe.cache.mode == "online":  # shards hold the tokens only; training computes `store` itself
+        online = {"store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype, "k": recipe.cache.topk}
+        store, aux_layers = [], []
     settings = {"store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype, "topk": recipe.cache.topk,
-                "batch_tokens": recipe.cache.batch_tokens}
+                "batch_tokens": recipe.cache.batch_tokens, "online": online}
     fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": fingerprint_tokenizer(tokenizer),
                     "corpus": corpus_summary["fingerprint"], "cache": cache_settings(recipe, store)}
     if corpus_summary.get("tokenizer") not in (None, fingerprints["tokenizer"]):
@@ -382,11 +388,13 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
             "corpus_path": str(corpus_path), "store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype,
             "k": recipe.cache.topk if "topk" in store else None, "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "bytes_per_token": per_token, "complete": False,
+            "bytes_per_token": per_token, "complete": False, "mode": "online" if settings["online"] else "offline",
+            **({"online": settings["online"]} if settings["online"] else {}),
             "splits": {s: {"sequences": len(lengths[s]), "tokens": sum(lengths[s]), "planned_shards": len(plans[s]),
                            "shards": []} for s in SPLITS},
         }
-    model = model if model is not None else load_model(recipe)
+    if store:  # an online cache holds tokens only: no target needed
+        model = model if model is not None else load_model(recipe)
     done_tokens = sum(sh["tokens"] for s in SPLITS for sh in manifest["splits"][s]["shards"])
     cache_path.mkdir(parents=True, exist_ok=True)
     check_disk(cache_path, total_tokens - done_tokens, per_token)

@@ -94,3 +94,62 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         mask[r, :x["input_ids"].shape[0]] = 1
     out["attention_mask"] = mask
     return out
+
+
+class OnlineDataset(CacheDataset):
+    """`cache.mode: online`: the shards hold tokens only; each item's target outputs (hidden_last, hidden_aux,
+    top-k: the manifest's `online.store`) are computed by the target when the item is read, exactly as the
+    cache stage would store them (same function, same dtype), so training sees what an offline cache holds."""
+
+    def __init__(self, cache_dir, split: str, target_model):
+        super().__init__(cache_dir, split)
+        self.online = self.manifest["online"]
+        self.target = target_model
+        self.kinds = self.kinds + [k for k in PER_TOKEN if k in self._computed_kinds()]
+
+    def _computed_kinds(self) -> set[str]:
+        store = set(self.online["store"])
+        return ({"hidden_last"} & store) | ({"hidden_aux"} & store) | \
+            ({"topk_logprobs", "topk_ids", "tail_mass"} if "topk" in store else set())
+
+    def __getstate__(self):
+        raise TypeError("an online cache computes with the target in this process; read it without worker processes")
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from specdistill.data.cache import CACHE_DTYPES, target_outputs
+
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        s, a = self._locate[i]
+        f = self._open(s)
+        item = {k: f.get_slice(k)[a:a + self.lengths[i]] for k in ("input_ids", "loss_mask")}
+        item["input_ids"], item["loss_mask"] = item["input_ids"].long(), item["loss_mask"]
+        device = next(self.target.parameters()).device
+        ids = item["input_ids"][None].to(device)
+        out = target_outputs(self.target, ids, torch.ones_like(ids), self.online["store"], self.online["aux_layers"],
+                             self.online["k"], CACHE_DTYPES[self.online["dtype"]])
+        for k, v in out.items():
+            item[k] = v.long() if k in AS_LONG else v
+        item["loss_mask"] = item["loss_mask"].long()
+        return item
+
+
+_TARGETS: dict = {}
+
+
+def open_cache(cache_dir, split: str, target_cfg=None, device="cpu") -> CacheDataset:
+    """The cache at cache_dir: offline shards as they are, or an online one bound to the target (loaded once)."""
+    manifest = Path(cache_dir) / "manifest.json"
+    mode = json.loads(manifest.read_text()).get("mode", "offline") if manifest.exists() else "offline"
+    if mode != "online":
+        return CacheDataset(cache_dir, split)
+    if target_cfg is None:
+        raise SpecdistillError(f"{cache_dir}: an online cache (tokens only) needs the target to compute its features")
+    from specdistill.target import load_target
+
+    key = (target_cfg.path, target_cfg.dtype, str(device))
+    if key not in _TARGETS:
+        _TARGETS.clear()
+        _TARGETS[key] = load_target(target_cfg, device)
+    return OnlineDataset(cache_dir, split, _TARGETS[key])

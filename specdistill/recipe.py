@@ -51,6 +51,9 @@ class CorpusConfig(Section):
 class CacheConfig(Section):
     dir: str | None = Field(None, description="where caches live, shared by runs and keyed by their fingerprint "
                                               "(target, tokenizer, corpus, stored kinds); default <output_dir>/shared-cache")
+    mode: Literal["offline", "online"] = Field("offline", description="offline: the cache stage runs the target once "
+                                               "and stores its outputs; online: it stores the tokens only and training "
+                                               "computes the target's outputs inside each step (no feature disk)")
     store: list[Literal["hidden_last", "hidden_aux", "topk"]] | None = Field(
         None, description="what to store per token; default: what draft.kind needs")
     aux_layers: list[int] | None = Field(None, description="hidden_states indices for EAGLE-3; default 2, N//2, N-3")

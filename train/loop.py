@@ -115,10 +115,10 @@ def aux_feature_std(dataset) -> torch.Tensor:
 
 
 def _heldout_batches(cache, recipe, device) -> list[dict]:
-    from specdistill.data.cache_reader import CacheDataset, collate
+    from specdistill.data.cache_reader import collate, open_cache
 
     try:
-        held = CacheDataset(cache, "heldout")
+        held = open_cache(cache, "heldout", recipe.target, device)  # cache.mode online: the target computes features
     except SpecdistillError:
         return []
     mb = recipe.train.micro_batch_size
@@ -150,13 +150,13 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     import deepspeed
     from torch.utils.tensorboard import SummaryWriter
 
-    from specdistill.data.cache_reader import CacheDataset, collate
+    from specdistill.data.cache_reader import collate, open_cache
 
     tc, kind = recipe.train, recipe.draft.kind
     rank, world, device = init_distributed()
     run_dir = recipe.run_dir
     cache = layout.cache_dir(run_dir)
-    data = CacheDataset(cache, "train")
+    data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
         raise SpecdistillError(f"{cache}: the train split has no sequences")
     dtype = DTYPES[tc.precision]
