@@ -387,3 +387,46 @@ def test_gemma2_final_logit_softcap_wherever_p_is_formed():
         e3 = drafts.predict("eagle3", head, batch, parts)
         torch.testing.assert_close(e3["steps"][0]["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(e3["steps"][1]["p_logits"], want[2:T - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_offline_acceptance_per_depth_on_its_own_features(tmp_path, tiny_target_dir, checkpoints_root):
+    """EAGLE-1's held-out acceptance at depth s+1 = the head run from scratch, as when drafting: real features up to
+    the start position, then its own predicted features, teacher-forced tokens; p the target's at that position."""
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.data.cache_reader import CacheDataset, collate
+    from specdistill.train import drafts
+    from specdistill.train.eagle import EagleHead
+    from specdistill.train.offline_metrics import offline_metrics, simulated_tau
+
+    recipe = make_recipe(tmp_path, tiny_target_dir, "e1-metrics")
+    write_cache(recipe.run_dir, tiny_target_dir, n_train=2, n_heldout=3)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    torch.manual_seed(0)
+    head = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings()).eval()
+    parts = drafts.TargetParts(target.config, target.get_input_embeddings(), target.get_output_embeddings(), None)
+    items = list(CacheDataset(layout.cache_dir(recipe.run_dir), "heldout"))
+    m = offline_metrics("eagle", head, [collate(items)], parts)
+
+    hits, overlap, n = [0] * 3, [0.0] * 3, [0] * 3
+    with torch.no_grad():
+        for item in items:
+            ids, h, trained = item["input_ids"].long(), item["hidden_last"].float(), item["loss_mask"].bool()
+            for t in range(len(ids) - 2):  # a chain drafted after the target's real feature f[t]
+                tokens, feats = ids[1:t + 2], h[:t + 1]
+                for s in range(3):
+                    if t + 2 + s >= len(ids):
+                        break
+                    f_hat = head(tokens[None], feats[None])[0, -1]  # predicts f[t+1+s], i.e. token t+2+s
+                    if trained[t + 2 + s]:
+                        p = torch.softmax(target.get_output_embeddings()(h[t + 1 + s]), -1)
+                        q = torch.softmax(head.logits(f_hat), -1)
+                        hits[s] += int(p.argmax() == q.argmax())
+                        overlap[s] += torch.minimum(p, q).sum().item()
+                        n[s] += 1
+                    tokens, feats = torch.cat([tokens, ids[t + 2 + s:t + 3 + s]]), torch.cat([feats, f_hat[None]])
+    assert m["positions_at"] == n
+    assert m["top1_at"] == pytest.approx([a / c for a, c in zip(hits, n)])
+    assert m["alpha_at"] == pytest.approx([b / c for b, c in zip(overlap, n)], abs=1e-4)
+    assert m["top1_at"][0] == pytest.approx(m["top1"]) and m["alpha_at"][0] == pytest.approx(m["predicted_alpha"], abs=1e-5)
+    assert m["simulated_tau"]["1"] == pytest.approx(simulated_tau(m["alpha_at"]))

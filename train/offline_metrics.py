@@ -5,7 +5,9 @@ counted positions: first-draft, teacher-forced quantities (they predict alpha_at
 With a top-k cache p and q are the truncated k+1-outcome distributions (the tail kept as one "other"
 bucket) and the result says so in `distribution` and, per number, in `labels` (fkl is then a lower
 bound, tvd a lower bound and predicted_alpha an upper bound of the full-vocabulary values).
-EAGLE-3 also reports acceptance per unrolled draft depth and `simulated_tau`.
+EAGLE heads also report acceptance per draft depth with the head fed its own states from depth 2 on
+(`top1_at`, `alpha_at`) and `simulated_tau`, the held-out prediction of the measured tau. A draft LM has
+none: teacher-forced, its depth-i drafts read the same tokens as its depth-1 ones.
 """
 from __future__ import annotations
 
@@ -25,13 +27,56 @@ def simulated_tau(alpha_at: list[float], k: int | None = None) -> float:
     return total
 
 
+EAGLE_DEPTHS = 3  # EAGLE-1 drafting unrolled this deep on the held-out split (EAGLE-3: its ttt_steps)
+
+
+@torch.no_grad()
+def eagle_unrolled_acceptance(head, batch, parts, depths: int = EAGLE_DEPTHS) -> tuple[list, list, list]:
+    """EAGLE-1 drafting simulated on a held-out batch: depth s at start t reads token x[t+1+s] and, from depth 2
+    on, its own predicted feature of depth s-1 (EAGLE's drafting), attending to the real-feature positions <= t
+    and its own earlier depths of the same chain (eagle3.ttt_mask, the pattern the engine's cache produces).
+    It predicts token x[t+2+s], counted where trained, against the target's p at that position.
+    Returns per depth (top-1 hits, sum of min(p, q), positions)."""
+    from transformers import DynamicCache
+
+    from specdistill.train.eagle3 import ttt_mask
+
+    ids, att = batch["input_ids"], batch["attention_mask"]
+    B, T = ids.shape
+    L = T - 1  # head position t reads (x[t+1], f[t])
+    dtype = parts.lm_head.weight.dtype
+    h = batch["hidden_last"].to(dtype)
+    trained = batch["loss_mask"].bool() & att.bool()
+    cache = DynamicCache(config=head.config)
+    state, base = h[:, :-1], torch.arange(L, device=ids.device).expand(B, -1)
+    hits, overlap, n = [], [], []
+    for s in range(min(depths, L - 1)):
+        inp = torch.zeros(B, L, dtype=ids.dtype, device=ids.device)
+        inp[:, :L - s] = ids[:, 1 + s:]
+        state = head(inp, state, base + s, past_key_values=cache, attention_mask=ttt_mask(L, s, att[:, 1:]))
+        c = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
+        c[:, :L - 1 - s] = trained[:, 2 + s:]
+        p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, h[:, 1 + s:][c[:, :L - s]]).float(), -1)
+        q = torch.softmax(head.logits(state[c]).float(), -1)
+        hits.append((p.argmax(-1) == q.argmax(-1)).sum().item())
+        overlap.append(torch.minimum(p, q).sum(-1).sum().item())
+        n.append(int(c.sum()))
+    return hits, overlap, n
+
+
 @torch.no_grad()
 def offline_metrics(kind: str, model, batches, parts) -> dict:
     if kind == "eagle3":
         return eagle3_metrics(model, batches, parts)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
     positions, label, labels = 0, "full vocabulary", {}
+    depth_hits, depth_overlap, depth_n = [0] * EAGLE_DEPTHS, [0.0] * EAGLE_DEPTHS, [0] * EAGLE_DEPTHS
     for batch in batches:
+        if kind == "eagle" and "hidden_last" in batch:
+            for i, (a, b, c) in enumerate(zip(*eagle_unrolled_acceptance(getattr(model, "module", model), batch, parts))):
+                depth_hits[i] += a
+                depth_overlap[i] += b
+                depth_n[i] += c
         pred = drafts.predict(kind, model, batch, parts)
         if pred["q_logits"].shape[0] == 0:
             continue
@@ -54,6 +99,14 @@ def offline_metrics(kind: str, model, batches, parts) -> dict:
         return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
     out = {k: v / positions for k, v in sums.items()}
     out["predicted_alpha"] = 1.0 - out["tvd"]
+    if kind == "eagle" and any(depth_n):
+        depth_n = [c for c in depth_n if c]
+        out["top1_at"] = [a / c for a, c in zip(depth_hits, depth_n)]
+        out["alpha_at"] = [b / c for b, c in zip(depth_overlap, depth_n)]
+        out["positions_at"] = depth_n
+        out["simulated_tau"] = {"0": simulated_tau(out["top1_at"]), "1": simulated_tau(out["alpha_at"])}
+        out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance at depth i over {len(depth_n)} drafting "
+                                     "depths unrolled on the head's own features (T=0: top1_at, T=1: alpha_at)")
     return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}
 
 
