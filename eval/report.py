@@ -654,8 +654,8 @@ same target measured in the same run; lossless = token-identical to our own plai
 ("vs generate()") to transformers' greedy `generate()` (T=0), or a passed distribution test (T>0).
 Compare like with like: the offline top-1 and predicted α are teacher-forced *first-draft* numbers, so
 they predict α₁ (the measured acceptance at depth 1, `alpha_at[0]`), not the pooled α; pooled α and τ
-are predicted by the held-out simulated τ = 1 + Σₖ Πᵢ≤ₖ αᵢ from per-depth held-out acceptance (EAGLE-3's
-unrolled steps; `—` where the draft kind has none). A label in a header says what distribution an
+are predicted by the held-out simulated τ = 1 + Σₖ Πᵢ≤ₖ αᵢ from per-depth held-out acceptance (EAGLE
+heads drafting on their own states; `—` where the draft kind has none). A label in a header says what distribution an
 offline number is over: `top-k+tail` = the k cached ids plus one bucket for the rest (fkl and tvd are then
 lower bounds, pred α an upper bound), `draft vocab` = EAGLE-3's draft vocabulary with p renormalised.
 Intervals: 95% bootstrap over prompts.{notes(evals, "lossless_note")}
