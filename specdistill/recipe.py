@@ -129,6 +129,9 @@ class TrainConfig(Section):
     heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
     keep_last: int | None = Field(None, ge=1, description="keep the optimizer (DeepSpeed) state of the last N "
                                   "checkpoints only; older ones keep weights and metrics; None: keep all")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="TensorBoard always; wandb / mlflow when installed "
+        "(offline unless WANDB_MODE / MLFLOW_TRACKING_URI say otherwise), skipped with a note when not")
     best_metric: str = Field("predicted_alpha", description="held-out metric that picks the `best` checkpoint link "
                              "(fkl, tvd, loss-like metrics: lowest; others: highest)")
 

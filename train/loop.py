@@ -148,7 +148,6 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     stop_after: stop once this step is done (simulates an interruption; used by the resume test).
     """
     import deepspeed
-    from torch.utils.tensorboard import SummaryWriter
 
     from specdistill.data.cache_reader import collate, open_cache
 
@@ -181,7 +180,9 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     heldout = _heldout_batches(cache, recipe, device)
     if rank == 0:
         _trim_log(run_dir, start)
-    writer = SummaryWriter(str(layout.tb_dir(run_dir))) if rank == 0 else None
+    from specdistill.train.report_to import Reporters
+
+    writer = Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None  # TensorBoard + train.report_to
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {kind}", disable=rank != 0, mininterval=1.0)
     history, last_good = [], latest
     try:
