@@ -23,6 +23,9 @@ from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_draft, merge_counts
 
 OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
+# what else the report reads from the held-out metrics: distribution labels and per-depth acceptance
+HELDOUT_EXTRA_KEYS = ("positions", "distribution", "labels", "vocab_coverage", "top1_at", "alpha_at", "positions_at",
+                      "simulated_tau", "simulated_tau_note")
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
 
@@ -79,7 +82,7 @@ def heldout_metrics(step_dir: Path) -> dict | None:
     held = metrics.get("heldout", metrics)
     if not isinstance(held, dict) or not any(k in held for k in OFFLINE_KEYS):
         return None
-    return {k: held.get(k) for k in (*OFFLINE_KEYS, "positions", "distribution") if k in held}
+    return {k: held.get(k) for k in (*OFFLINE_KEYS, *HELDOUT_EXTRA_KEYS) if k in held}
 
 
 def expected_tokens_per_step(alpha_at: list[float], k: int) -> float:

@@ -58,7 +58,8 @@ def write_eagle_checkpoint(recipe, target, step: int):
         "kind": "eagle", "config": json.loads(head.config.to_json_string()),
         "target": recipe.target.model_dump(mode="json"), "step": step}))
     (d / "metrics.json").write_text(json.dumps({"step": step, "heldout": {
-        "fkl": 3.0, "tvd": 0.8, "predicted_alpha": 0.2, "top1": 0.1, "positions": 100}}))
+        "fkl": 3.0, "tvd": 0.8, "predicted_alpha": 0.2, "top1": 0.1, "positions": 100, "top1_at": [0.1, 0.05, 0.02],
+        "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}}}))
     (d / "COMPLETE").write_text(f"{step}\n")
     return d
 
@@ -77,6 +78,8 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert report["num_prompts"] == 3 and report["k"] == 3 and report["max_new_tokens"] == 12
     assert set(report["hardware"]) == {"cpu", "threads", "device"}
     assert report["offline"]["heldout"]["fkl"] == 3.0
+    assert report["offline"]["heldout"]["top1_at"] == [0.1, 0.05, 0.02]  # what the report's simulated tau reads
+    assert report["offline"]["heldout"]["simulated_tau"] == {"0": 1.1051, "1": 1.221}
     assert set(report["offline"]["prompts"]) >= {"fkl", "tvd", "predicted_alpha", "top1"}
     assert report["offline"]["prompts"]["positions"] > 0
 
