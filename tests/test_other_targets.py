@@ -1,5 +1,6 @@
-"""Tiny Qwen3 and Gemma-3 targets (built from their configs, real SmolLM2 tokenizer) through every stage,
-export included, for every draft kind; the EAGLE heads export with the same name/shape check as Llama's."""
+"""Tiny Llama, Qwen3 and Gemma-3 targets (built from their configs, real SmolLM2 tokenizer) through every
+stage, export included, for every draft kind; the EAGLE heads export with the same name/shape check as
+Llama's, and a second run warm-starts from the export over the shared cache."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from safetensors import safe_open
 from specdistill.cli import main
 from tests.conftest import tiny_model
 
-FAMILIES = ["qwen3", "gemma3_text"]
+FAMILIES = ["llama", "qwen3", "gemma3_text"]
 CHAT = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                       {"role": "assistant", "content": f"{a} plus {b} is {a + b}. Happy to help with more sums."}]}
         for a in range(12) for b in range(2)]
@@ -94,3 +95,9 @@ def test_every_stage_runs_for_the_target(family_target, kind, tmp_path, monkeypa
     from transformers import AutoConfig, LlamaConfig
 
     assert isinstance(AutoConfig.from_pretrained(out), LlamaConfig)
+    # a second run name continues training the exported head, over the same (shared) cache
+    warm = ["run_name=warm", f"draft.init_from={out}"]
+    for stage in ("prepare", "cache", "train"):
+        assert main([stage, "--recipe", str(recipe), *TOY, *warm]) == 0, f"warm {stage}"
+    assert "reused the shared cache" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "warm" / "step-0000002" / "COMPLETE").exists()
