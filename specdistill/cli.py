@@ -68,6 +68,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         return parser.parse_args(argv)  # --help, no stage, or an unknown stage: argparse's own message
     args = subparsers[argv[0]].parse_intermixed_args(argv[1:])
     args.stage = argv[0]
+    if getattr(args, "runs", None):  # `--runs a b eval.k=3`: the greedy list took an override (run names have no '=')
+        args.overrides = [r for r in args.runs if "=" in r] + list(args.overrides)
+        args.runs = [r for r in args.runs if "=" not in r] or None
     return args
 
 

@@ -32,6 +32,8 @@ def test_overrides_anywhere_on_the_line(recipe_file):
     assert args.overrides == ["train.lr=1", "eval.k=2"] and args.format == "hf"
     args = parse(["train", "--recipe", str(recipe_file), "--restart", "train.max_steps=3"])
     assert args.restart and args.overrides == ["train.max_steps=3"]
+    args = parse(["report", "run_name=a", "--recipe", str(recipe_file), "--runs", "a", "b", "eval.k=3"])
+    assert args.runs == ["a", "b"] and args.overrides == ["eval.k=3", "run_name=a"]
 
 
 def test_no_stage_prints_help(capsys):
