@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
+from specdistill.eval.runtime import EagerRuntime, runtime_name
 from specdistill.eval.sampling import probs_from_logits, sample, verify_chain, verify_greedy
 
 
@@ -159,30 +160,36 @@ def _stack(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]):
 
 # ----------------------------------------------------------------------------- target
 
+def as_runtime(target):
+    """A runtime (eval/runtime.py) as it is; a bare transformers model runs eagerly in its own dtype."""
+    if hasattr(target, "forward") and hasattr(target, "keep_path"):
+        return target
+    return EagerRuntime(target, runtime_name("eager", str(target.dtype).removeprefix("torch.")))
+
+
 class Target:
-    """The target causal LM and its own KV cache. `feature_fn(hidden_states) -> [1, n, F]` picks what
-    the draft reads from each forward (None: the draft reads nothing, hidden states are not kept)."""
+    """The target in its runtime. `feature_fn(hidden_states) -> [n, F]` picks what the draft reads from
+    each forward (None: the draft reads nothing, hidden states are not kept)."""
 
-    def __init__(self, model, feature_fn=None):
-        self.model = model
+    def __init__(self, runtime, feature_fn=None):
+        self.runtime = as_runtime(runtime)
+        self.model = self.runtime.model
         self.feature_fn = feature_fn
-        self.cache = None
 
-    def reset(self) -> None:
-        self.cache = new_cache(self.model.config)
+    def reset(self, capacity: int) -> None:
+        self.runtime.reset(capacity)
 
-    def forward(self, ids: torch.Tensor, logits_to_keep: int = 0):
-        """Run ids [n] after the cached prefix -> (logits [n, V], last hidden states [n, H] or None).
+    def forward(self, ids: torch.Tensor, past: int, logits_to_keep: int = 0, parents=None, depths=None):
+        """Run ids [n] after `past` cached slots -> (logits [n, V], the draft's features [n, F] or None).
 
         logits_to_keep=1 skips the LM head on all but the last position (prefill needs none).
         """
-        out = self.model(ids[None], past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.feature_fn is not None, logits_to_keep=logits_to_keep)
-        features = self.feature_fn(out.hidden_states)[0] if self.feature_fn is not None else None
-        return out.logits[0], features
+        logits, hidden = self.runtime.forward(ids, past, hidden=self.feature_fn is not None,
+                                              logits_to_keep=logits_to_keep, parents=parents, depths=depths)
+        return logits, (self.feature_fn(hidden) if self.feature_fn is not None else None)
 
     def crop(self, n: int) -> None:
-        crop_cache(self.cache, n)
+        self.runtime.crop(n)
 
 
 # ----------------------------------------------------------------------------- drafts
@@ -320,10 +327,22 @@ def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
 
 # ----------------------------------------------------------------------------- the loop
 
+# Cache slots a decode may need beyond prompt + new tokens: the widest verify (K + 1 or a tree) and the
+# 1-token padding of reduced-precision runtimes. Independent of K, so that the baseline and every K
+# attend over caches of one size (a static runtime's attention shape, hence its exactness, depends on it).
+SLACK = 64
+
+
 class SpeculativeDecoder:
-    def __init__(self, target_model, draft=None, k: int = 4, eos_ids=(), target_tokenizer=None):
-        self.draft = make_draft(draft, target_model, target_tokenizer)
-        self.target = Target(target_model, self.draft.features if self.draft.needs_features else None)
+    """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype).
+    The draft runs in the target runtime's dtype."""
+
+    def __init__(self, target, draft=None, k: int = 4, eos_ids=(), target_tokenizer=None):
+        runtime = as_runtime(target)
+        if draft is not None and not hasattr(draft, "propose"):
+            draft.to(runtime.dtype)
+        self.draft = make_draft(draft, runtime.model, target_tokenizer)
+        self.target = Target(runtime, self.draft.features if self.draft.needs_features else None)
         self.k = k if not isinstance(self.draft, NoDraft) else 0
         self.eos_ids = set(eos_ids)
 
@@ -342,11 +361,11 @@ class SpeculativeDecoder:
         draft, target = self.draft, self.target
 
         start = time.perf_counter()
-        target.reset()
+        target.reset(p_len + max_new_tokens + SLACK)
         draft.reset()
         new_features = None
         if p_len > 1:  # prefill everything but the pending last prompt token
-            _, new_features = target.forward(seq[:p_len - 1], logits_to_keep=1)
+            _, new_features = target.forward(seq[:p_len - 1], 0, logits_to_keep=1)
         res.prefill_s = time.perf_counter() - start
 
         while n - p_len < max_new_tokens:
@@ -356,7 +375,7 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
             kk = drafts.numel()
             seq[n:n + kk] = drafts
-            logits, features = target.forward(seq[n - 1:n + kk])
+            logits, features = target.forward(seq[n - 1:n + kk], n - 1)
             t2 = time.perf_counter()
             if temperature == 0:
                 a, nxt = verify_greedy(logits, drafts)
@@ -375,9 +394,9 @@ class SpeculativeDecoder:
             res.verify_s += t2 - t1
             for i in range(kk):
                 res.drafted[i] += 1
-            for i in range(min(a + 1, kk)):
+            for i in range(min(a + 1, kk, len(new))):  # past an EOS nothing is committed, so nothing counts
                 res.tested[i] += 1
-            for i in range(a):
+            for i in range(min(a, len(new))):
                 res.accepted[i] += 1
             if hit_eos:
                 res.stop = "eos"

@@ -46,7 +46,8 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import DecodeResult, SpeculativeDecoder, Target, crop_cache, cut_at_eos, make_draft
+from specdistill.eval.engine import SLACK, DecodeResult, SpeculativeDecoder, Target, as_runtime, crop_cache, cut_at_eos, make_draft
+from specdistill.eval.runtime import additive
 
 
 @dataclass
@@ -105,51 +106,7 @@ def parse_tree(tree: dict) -> TreeShape:
     return TreeShape("static", depth, k, paths=tuple(paths))
 
 
-def tree_size(shape: TreeShape) -> int:
-    """Drafted nodes per step when nothing limits the depth."""
-    return shape.total_tokens if shape.kind == "dynamic" else len(shape.paths)
-
-
-# ----------------------------------------------------------------------------- tree attention
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """parents[i] < i (root: -1) -> bool [N, N], [i, j] = j is i or an ancestor of i."""
-    n = len(parents)
-    anc = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = attend) as the float mask transformers adds to attention scores; works for
-    both eager and sdpa attention (a 4D mask is passed through untouched: masking_utils returns it as-is)."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def tree_forward(model, cache, ids: torch.Tensor, parents: list[int], depths: list[int], past: int,
-                 output_hidden_states: bool = False):
-    """Run the tree ids [N] (node 0 the root, parents[i] < i) after `past` cached positions in one forward."""
-    anc = ancestor_mask(parents)
-    mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool), anc], dim=1)[None, None]
-    pos = (past + torch.tensor(depths))[None]
-    return model(ids[None], past_key_values=cache, use_cache=True, position_ids=pos,
-                 attention_mask=additive(mask, model.dtype), output_hidden_states=output_hidden_states)
-
-
-def keep_path(cache, start: int, positions: list[int]) -> None:
-    """Move the KV entries at `positions` (ascending, >= start) to start, start+1, ... and crop after them."""
-    idx = torch.tensor(positions)
-    for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise SpecdistillError(f"tree decoding: cache layer {type(layer).__name__} (sliding window?) is not "
-                                   "supported; use chain decoding for this target")
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            t[:, :, start:start + len(positions)] = t.index_select(2, idx)  # index_select copies first
-    crop_cache(cache, start + len(positions))
-
+# ----------------------------------------------------------------------------- verification
 
 def greedy_walk(best: list[int], tokens: list[int], parents: list[int]) -> list[int]:
     """Node indices of the longest path from the root (0) whose every token is the target's argmax."""
@@ -292,7 +249,8 @@ def _select(tree: DraftTree, keep: list[int]) -> DraftTree:
 class TreeDecoder:
     """Greedy tree speculative decoding of `target_model` with an EAGLE / EAGLE-3 head."""
 
-    def __init__(self, target_model, head, tree: dict, eos_ids=()):
+    def __init__(self, target, head, tree: dict, eos_ids=()):
+        """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype)."""
         if getattr(head, "kind", None) not in ("eagle", "eagle3"):
             raise SpecdistillError(f"tree decoding needs an EAGLE head (kind 'eagle' or 'eagle3'), got "
                                    f"{type(head).__name__}")
@@ -301,9 +259,10 @@ class TreeDecoder:
         widest = max((p[-1] + 1 for p in self.shape.paths), default=self.shape.top_k)
         if widest > draft_vocab:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
-        self.model = target_model
-        self.chain_draft = make_draft(head, target_model)  # checks the vocabulary; also the T > 0 fallback
-        self.target = Target(target_model, self.chain_draft.features)
+        self.runtime = as_runtime(target)
+        head.to(self.runtime.dtype)
+        self.chain_draft = make_draft(head, self.runtime.model)  # checks the vocabulary; also the T > 0 fallback
+        self.target = Target(self.runtime, self.chain_draft.features)
         self.drafter = TreeDrafter(self.chain_draft)
         self.eos_ids = set(eos_ids)
 
@@ -318,7 +277,7 @@ class TreeDecoder:
     def decode(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                generator: torch.Generator | None = None) -> TreeDecodeResult:
         if temperature > 0:  # trees are greedy only: the exact chain, same head, K = tree depth
-            chain = SpeculativeDecoder(self.model, self.chain_draft, k=self.shape.depth, eos_ids=self.eos_ids)
+            chain = SpeculativeDecoder(self.runtime, self.chain_draft, k=self.shape.depth, eos_ids=self.eos_ids)
             res = chain.decode(prompt_ids, max_new_tokens, temperature, generator)
             return TreeDecodeResult(**vars(res), tree_fallback=True)
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
@@ -333,11 +292,11 @@ class TreeDecoder:
         target = self.target
 
         start = time.perf_counter()
-        target.reset()
+        target.reset(p_len + max_new_tokens + SLACK)
         self.drafter.reset()
         new_features = None
         if p_len > 1:
-            _, new_features = target.forward(seq[:p_len - 1], logits_to_keep=1)
+            _, new_features = target.forward(seq[:p_len - 1], 0, logits_to_keep=1)
         res.prefill_s = time.perf_counter() - start
 
         while n - p_len < max_new_tokens:
@@ -348,18 +307,17 @@ class TreeDecoder:
             tokens = [int(seq[n - 1])] + tree.tokens  # node 0 = the pending token, the root
             parents = [-1] + [p + 1 for p in tree.parents]
             depths = [0] + tree.depths
-            out = tree_forward(self.model, target.cache, torch.tensor(tokens), parents, depths, n - 1,
-                               output_hidden_states=True)
-            best = out.logits[0].argmax(-1).tolist()
+            logits, features = target.forward(torch.tensor(tokens), n - 1, parents=parents, depths=depths)
+            best = logits.argmax(-1).tolist()
             t2 = time.perf_counter()
             path = greedy_walk(best, tokens, parents)
             a = len(path) - 1
 
             new, hit_eos = cut_at_eos([tokens[i] for i in path[1:]] + [best[path[-1]]], self.eos_ids)
             seq[n:n + len(new)] = torch.tensor(new)
-            keep_path(target.cache, n - 1, [n - 1 + i for i in path[:len(new)]])
+            target.runtime.keep_path(n - 1, [n - 1 + i for i in path[:len(new)]])
             n += len(new)
-            new_features = self.chain_draft.features(out.hidden_states)[0][path]
+            new_features = features[path]
 
             res.steps += 1
             res.draft_forwards += tree.forwards

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder, decode_baseline, eos_token_ids
-from specdistill.eval.tree import TreeDecoder, ancestor_mask, parse_tree, tree_forward
+from specdistill.eval.tree import TreeDecoder, parse_tree
 from specdistill.train.eagle3 import Eagle3Head, ttt_forward
 from tests.test_engine import eagle3_for, eagle_for, llama
 
@@ -76,36 +76,6 @@ def heads(target):
             "eagle3-fit": fit(eagle3_for(target, vocab), target, 60)}
 
 
-# ----------------------------------------------------------------------------- tree attention
-
-def test_tree_forward_matches_plain_forward(target):
-    """Each node's logits equal a plain causal forward of prefix + its own root-to-node path."""
-    prefix = torch.tensor([5, 9, 100, 42, 7, 300])
-    # root 0; chain 0-1-2-3 and branches 0-4-5, 1-6
-    tokens = [11, 12, 13, 14, 21, 22, 31]
-    parents = [-1, 0, 1, 2, 0, 4, 1]
-    depths = [0, 1, 2, 3, 1, 2, 2]
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(prefix[None], past_key_values=cache, use_cache=True)
-        got = tree_forward(target, cache, torch.tensor(tokens), parents, depths, len(prefix)).logits[0]
-        anc = ancestor_mask(parents)
-        for i in range(len(tokens)):
-            path = [tokens[j] for j in range(len(tokens)) if anc[i, j]]
-            want = target(torch.cat([prefix, torch.tensor(path)])[None]).logits[0, -1]
-            torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
-
-
-def test_tree_forward_of_a_chain_equals_plain_forward(target):
-    prefix, chain = torch.tensor([5, 9, 100, 42]), torch.tensor([7, 300, 11, 12])
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(prefix[None], past_key_values=cache, use_cache=True)
-        got = tree_forward(target, cache, chain, [-1, 0, 1, 2], [0, 1, 2, 3], len(prefix)).logits[0]
-        want = target(torch.cat([prefix, chain])[None]).logits[0, len(prefix):]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
 # ----------------------------------------------------------------------------- lossless
 
 @pytest.mark.parametrize("head_name", ["eagle", "eagle3", "eagle-fit", "eagle3-fit"])
@@ -159,12 +129,12 @@ def test_eos_stops_like_the_baseline(target, heads):
 def draft_one_tree(target, head, tree_cfg):
     """Prefill the first prompt and draft one tree: (decoder, seq, n, features, tree)."""
     decoder = TreeDecoder(target, head, tree_cfg)
-    decoder.target.reset()
+    decoder.target.reset(64)
     decoder.drafter.reset()
     seq = torch.tensor(PROMPTS[0] + [0] * 8)
     n = len(PROMPTS[0])
     with torch.no_grad():
-        _, feats = decoder.target.forward(seq[:n - 1])
+        _, feats = decoder.target.forward(seq[:n - 1], 0)
         tree = decoder.draft_tree(seq, n, feats, 4)
     return decoder, seq, n, feats, tree
 

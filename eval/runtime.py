@@ -1,0 +1,259 @@
+"""Runtimes: how the target runs its forwards while decoding (`eval.runtime` in the recipe).
+
+The engine, the baseline, the tree decoder and the comparators ask a runtime for one thing: run M new
+tokens after `past` committed cache slots and give back their logits (and, for EAGLE heads, hidden
+states). Two families, measured by `make bench ARGS=runtime`:
+
+  eager-<dtype>   transformers' own forward over a DynamicCache (the reference; any architecture).
+  static-<dtype>  our forward for Llama-style targets (Llama, Mistral, Qwen2, Qwen3) over a KV cache
+                  preallocated once per prompt and indexed by slot (gpt-fast's design): a rollback
+                  only moves the committed length, nothing is copied or concatenated, and no
+                  per-forward mask or cache bookkeeping runs through Python layers.
+
+Exactness in reduced precision. Speculative decoding at T=0 is lossless only if a position's logits
+do not depend on how many positions share its forward (1 in plain decoding, K+1 in a verify). The
+static runtime is built so that they do not: every attention runs over the whole preallocated cache
+with a mask (the reduction over keys has the same length whatever M is) as two plain matmuls with a
+float32 softmax (torch's fused SDPA is not row-invariant in bf16 here), norms are per row in float32,
+and bf16 matmuls on this CPU (oneDNN, float32 accumulation) give each row the same result for any
+M >= 2 — a single row goes through a matrix-vector kernel that splits the reduction differently, so a
+1-token bf16 forward runs as 2 rows (the cost is the same: the forward is bound by reading the weights).
+`tests/test_runtime.py` checks the whole forward, row by row. transformers' eager forward is not
+batch-invariant in bf16 (its attention path changes with M), so `eager-bfloat16` can diverge from its
+own plain decoding; the eval JSON then says so (`lossless` false, with each divergence's logit gap).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from specdistill.errors import SpecdistillError
+from specdistill.target import DTYPES
+
+STATIC_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+KINDS = ("eager", "static")
+
+
+def runtime_name(kind: str, dtype: str) -> str:
+    return f"{kind}-{ {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16'}[dtype] }"
+
+
+def parse_runtime(name: str) -> tuple[str, str]:
+    """'static-bf16' -> ('static', 'bfloat16')."""
+    short = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    kind, _, dt = name.partition("-")
+    if kind not in KINDS or dt not in short:
+        raise SpecdistillError(f"eval.runtime {name!r}: expected one of "
+                               f"{', '.join(k + '-' + d for k in KINDS for d in short)}")
+    return kind, short[dt]
+
+
+def make_runtime(model, name: str):
+    """The target `model` wrapped in runtime `name`, its weights cast to the runtime's dtype (in place)."""
+    kind, dtype = parse_runtime(name)
+    model.to(DTYPES[dtype])
+    if kind == "static":
+        if model.config.model_type not in STATIC_MODEL_TYPES:
+            raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)}, "
+                                   f"not '{model.config.model_type}'; use eager-{name.split('-')[1]}")
+        if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True) \
+                and model.config.model_type == "mistral":
+            raise SpecdistillError(f"eval.runtime {name}: sliding-window attention is not supported by the static "
+                                   "runtime; use the eager runtime")
+        return StaticRuntime(model, name)
+    return EagerRuntime(model, name)
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """parents[i] < i (root: -1) -> bool [N, N], [i, j] = j is i or an ancestor of i."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] |= anc[p]
+    return anc
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the float mask transformers adds to attention scores."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+class EagerRuntime:
+    """transformers' forward over a DynamicCache that can be rolled back (sliding windows included)."""
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+        self.cache = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def reset(self, capacity: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.activate_past_recording()
+
+    def forward(self, ids: torch.Tensor, past: int, hidden: bool = False, logits_to_keep: int = 0,
+                parents: list[int] | None = None, depths: list[int] | None = None):
+        """ids [M] after `past` cached slots -> (logits [M or logits_to_keep, V], hidden states or None).
+
+        parents/depths: a tree (node 0 the root); node i sits at position past + depths[i] and sees the
+        cached prefix and its own ancestors."""
+        kwargs = {}
+        if parents is not None:
+            mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool), tree_mask(parents)], dim=1)
+            kwargs = {"position_ids": (past + torch.tensor(depths))[None],
+                      "attention_mask": additive(mask, self.model.dtype)[None, None]}
+        out = self.model(ids[None], past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                         logits_to_keep=logits_to_keep, **kwargs)
+        return out.logits[0], ([h[0] for h in out.hidden_states] if hidden else None)
+
+    def crop(self, n: int) -> None:
+        extra = self.cache.get_seq_length() - n
+        if extra > 0:
+            self.cache.crop(-extra)  # a negative crop: the positive form is deprecated
+
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        """Move the KV entries at `slots` (ascending, >= start) to start, start+1, ... and crop after them."""
+        idx = torch.tensor(slots)
+        for layer in self.cache.layers:
+            if type(layer).__name__ != "DynamicLayer":
+                raise SpecdistillError(f"tree decoding: cache layer {type(layer).__name__} (sliding window?) is "
+                                       "not supported; use chain decoding for this target")
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[:, :, start:start + len(slots)] = t.index_select(2, idx)  # index_select copies first
+        self.crop(start + len(slots))
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' Llama RMSNorm, op for op (float32 statistics, weight applied in the input dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticRuntime:
+    """Our forward for Llama-style targets over a preallocated KV cache indexed by slot (gpt-fast style).
+
+    Slot s of the cache holds the keys/values of the token at slot s; for a chain slot == position, for
+    a tree the nodes take the slots after the committed prefix while their rotary positions are
+    past + depth. Every attention reads all `capacity` slots through a mask, so its shape, and the
+    order of every reduction in it, is the same for 1 token and for K+1 (see the module docstring).
+    """
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+        self.config = model.config
+        inner = model.model
+        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        attn = self.layers[0].self_attn
+        self.heads = self.config.num_attention_heads
+        self.kv_heads = self.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.rotary = inner.rotary_emb
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.capacity = 0
+        self.cos = self.sin = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def reset(self, capacity: int) -> None:
+        """A fresh cache for one prompt; capacity is rounded up so that nearby lengths share one shape."""
+        capacity = -(-capacity // 256) * 256
+        if capacity != self.capacity:
+            shape = (1, self.kv_heads, capacity, self.head_dim)
+            self.k_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+            self.v_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+            pos = torch.arange(capacity)[None]
+            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
+            cos, sin = self.rotary(probe, pos)  # the target's own rope (scaling included), once per capacity
+            self.cos, self.sin = cos[0], sin[0]
+            self.capacity = capacity
+
+    def crop(self, n: int) -> None:
+        pass  # slots past the committed length are masked until overwritten: rollback is free
+
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        idx = torch.tensor(slots)
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[:, :, start:start + len(slots)] = cache.index_select(2, idx)
+
+    def forward(self, ids: torch.Tensor, past: int, hidden: bool = False, logits_to_keep: int = 0,
+                parents: list[int] | None = None, depths: list[int] | None = None):
+        if ids.numel() == 1 and self.dtype != torch.float32:
+            # oneDNN multiplies a single row by another kernel (a matrix-vector product that splits the
+            # reduction differently), so in bf16 a 1-token forward is run as 2 rows: the token and a copy
+            # of it in the next slot, which nothing committed can see (masked, overwritten later).
+            twice = (lambda x: None if x is None else list(x) * 2)
+            logits, states = self.forward(ids.repeat(2), past, hidden, 0, twice(parents), twice(depths))
+            return logits[:1], ([s[:1] for s in states] if hidden else None)
+        m = ids.numel()
+        if past + m > self.capacity:
+            raise SpecdistillError(f"static runtime: {past + m} slots needed, cache holds {self.capacity}")
+        slots = torch.arange(past, past + m)
+        keys = torch.arange(self.capacity)
+        if parents is None:
+            positions = slots
+            mask = keys[None, :] <= slots[:, None]
+        else:
+            positions = past + torch.tensor(depths)
+            mask = (keys[None, :] < past).repeat(m, 1)
+            mask[:, past:past + m] = tree_mask(parents)
+        mask = mask[None, None, None]  # [1, 1, 1, M, S]: broadcast over KV heads and groups
+        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+        x = self.embed(ids[None])
+        states = [x] if hidden else None
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, _rms_norm(x, layer.input_layernorm), i, slots, cos, sin, mask)
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            if hidden and i + 1 < len(self.layers):
+                states.append(x)
+        x = _rms_norm(x, self.norm)
+        if hidden:
+            states.append(x)  # transformers' convention: the last hidden state is after the final norm
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(x)
+        return logits[0], ([s[0] for s in states] if hidden else None)
+
+    def _attention(self, layer, x, i, slots, cos, sin, mask):
+        attn = layer.self_attn
+        shape = (1, x.shape[1], -1, self.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache[i].index_copy_(2, slots, k)
+        self.v_cache[i].index_copy_(2, slots, v)
+        out = self._attend(q, self.k_cache[i], self.v_cache[i], mask)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
+
+    def _attend(self, q, k, v, mask):
+        """Attention of q [1, H, M, D] over every cache slot, with the query heads that share a KV head
+        stacked as rows of one matmul (no repeated KV). Not torch's fused SDPA: on this CPU its bf16
+        kernel gives a row a different result when 5 or more rows share the call; two matmuls with a
+        float32 softmax between them (transformers' eager attention) do not."""
+        m = q.shape[2]
+        groups = self.heads // self.kv_heads
+        scores = torch.matmul(q.reshape(1, self.kv_heads, groups * m, self.head_dim), k.transpose(-1, -2))
+        scores = scores.view(1, self.kv_heads, groups, m, -1) * self.scaling
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        return torch.matmul(probs.view(1, self.kv_heads, groups * m, -1), v).view(1, self.heads, m, self.head_dim)
