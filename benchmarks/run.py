@@ -1,6 +1,6 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
-Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode).
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
     "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
+    "runtime": "benchmarks.runtime_bench", # v(M), d, plain decoding per runtime vs eager-fp32
 }
 
 

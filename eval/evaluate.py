@@ -20,7 +20,8 @@ from tqdm import tqdm
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval import comparators
-from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_draft, merge_counts
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
+from specdistill.eval.runtime import forward_costs, make_runtime
 
 OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
 # what else the report reads from the held-out metrics: distribution labels and per-depth acceptance
@@ -94,17 +95,15 @@ def expected_tokens_per_step(alpha_at: list[float], k: int) -> float:
     return total
 
 
-def best_k(alpha_at: list[float], ms_per_draft_step: float, ms_per_verify: float) -> tuple[int, float]:
-    """K maximising expected tokens per ms (K draft steps + one verify per step), measured alpha_at.
+def best_k(speedup_by_k: dict[str, float]) -> int:
+    """The K whose measured speedup was highest (eval.k and every K of eval.k_sweep, same prompts and run)."""
+    return int(max(speedup_by_k, key=lambda k: (speedup_by_k[k], -int(k))))
 
-    Assumes verify cost does not grow with K (roughly true for small K on a latency-bound forward).
-    """
-    best, best_rate = 1, -1.0
-    for k in range(1, len(alpha_at) + 1):
-        rate = expected_tokens_per_step(alpha_at, k) / (k * ms_per_draft_step + ms_per_verify)
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best, best_rate
+
+def predicted_speedup(tau: float, k: int, d: float, v: dict[str, float]) -> float | None:
+    """tau / (K d + v(K+1)): the per-step speedup the measured costs predict (docs/DESIGN.md, Costs)."""
+    vk = v.get(str(k + 1))
+    return tau / (k * d + vk) if vk else None
 
 
 def leviathan_tau(alpha: float, k: int) -> float:
@@ -219,6 +218,29 @@ def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperatur
     return base_runs, spec_runs, comp, tree_runs
 
 
+def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
+    """The runtime's cost curve: ms of one forward over M = 1..9 new tokens (and the tree's size) after a
+    128-token cached prefix of real prompt text, and v(M) = ms(M) / ms(1)."""
+    ids = [t for p in prompts for t in p.ids] or [0]
+    sizes = list(range(1, 10))
+    if tree is not None:
+        sizes.append(tree.shape.total_tokens + 1 if tree.shape.kind == "dynamic" else len(tree.shape.paths) + 1)
+    while len(ids) < 128 + max(sizes):
+        ids = ids + ids
+    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)))
+    return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
+            "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
+
+
+def cost_terms(spec: dict, tau_by_k: dict, costs: dict | None) -> dict:
+    """d = ms per draft step / ms of a 1-token forward; the speedup tau / (K d + v(K+1)) predicts per K."""
+    if not costs:
+        return {}
+    d = spec["ms_per_draft_step"] / costs["forward_ms"]["1"]
+    return {"d": d, "predicted_speedup_by_k": {k: predicted_speedup(tau, int(k), d, costs["v"])
+                                               for k, tau in tau_by_k.items()}}
+
+
 def summarise_tree(tree_cfg: dict, base_runs, tree_runs) -> dict:
     """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
     t, base = merge_counts(tree_runs), merge_counts(base_runs)
@@ -261,11 +283,12 @@ def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed:
     return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups)}
 
 
-def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) -> dict:
+def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, costs: dict | None = None) -> dict:
+    """costs: the runtime's measured forward cost curve (`measure_costs`), for d and the predicted speedups."""
     base, spec = merge_counts(base_runs), merge_counts(spec_runs[main_k])
-    deepest = max(spec_runs)  # alpha_at measured at the longest chain covers every depth
-    deep = merge_counts(spec_runs[deepest])
-    k_best, _ = best_k(deep["alpha_at"], spec["ms_per_draft_step"], spec["ms_per_verify"])
+    speedup_by_k = {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
+    tau_by_k = {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())}
+    k_best = best_k(speedup_by_k)
     lossless = None
     if temperature == 0:
         lossless = all(s.tokens == b.tokens for runs in spec_runs.values() for s, b in zip(runs, base_runs))
@@ -289,10 +312,12 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k) ->
         "ms_per_token": spec["ms_per_token"],
         "baseline_ms_per_token": base["ms_per_token"],
         "baseline_ms_per_verify": base["ms_per_verify"],
-        "tau_by_k": {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())},
-        "speedup_by_k": {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())},
+        "tau_by_k": tau_by_k,
+        "speedup_by_k": speedup_by_k,
+        **cost_terms(spec, tau_by_k, costs),
         "best_k": k_best,
-        "best_k_from": f"alpha_at measured at K={deepest}, ms per draft step and per verify measured at K={main_k}",
+        "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} "
+                       "(eval.k and eval.k_sweep, same prompts, same run)",
         "predicted_tau_leviathan": leviathan_tau(spec["alpha"], main_k),
         **bootstrap_ci95(base_runs, spec_runs[main_k]),
         "ci_method": CI_NOTE,
@@ -335,32 +360,36 @@ def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree
 
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
                         draft_kind: str, heldout: dict | None, with_comparators: bool = True,
-                        reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None) -> dict:
+                        reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
+                        runtime=None) -> dict:
     """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
     `reference_tokens`: transformers' greedy generate() output per prompt (computed here when not given
-    and the hf_generate comparator did not run); `fingerprint`: checkpoint_fingerprint of the step dir.
+    and the hf_generate comparator did not run); `fingerprint`: checkpoint_fingerprint of the step dir;
+    `runtime`: the target's runtime (eval/runtime.py; default: eval.runtime of the recipe).
     """
     cfg = recipe.eval
     eos = eos_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    engine = SpeculativeDecoder(target, make_draft(draft, target), k=cfg.k, eos_ids=eos)
-    baseline = SpeculativeDecoder(target, None, eos_ids=eos)
+    runtime = runtime or make_runtime(target, cfg.runtime)  # casts the target (and below the draft) to its dtype
+    engine = SpeculativeDecoder(runtime, draft, k=cfg.k, eos_ids=eos)
+    baseline = SpeculativeDecoder(runtime, None, eos_ids=eos)
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
     tree = None
     if cfg.tree and draft_kind in ("eagle", "eagle3"):
         from specdistill.eval.tree import TreeDecoder
 
-        tree = TreeDecoder(target, draft, dict(cfg.tree), eos_ids=eos)
+        tree = TreeDecoder(runtime, draft, dict(cfg.tree), eos_ids=eos)
 
+    costs = measure_costs(runtime, prompts, cfg, tree)
     results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
         base_runs, spec_runs, comp, tree_runs = evaluate_temperature(
             target, engine, baseline, prompts, cfg, temperature, names, draft, eos, pad_id, label=checkpoint, tree=tree)
-        result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k)
+        result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
         if tree_runs:
             result["tree"] = summarise_tree(dict(cfg.tree), base_runs, tree_runs)
         results.append(result)
@@ -406,6 +435,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "k": cfg.k,
         "hardware": hardware(),
         "checkpoint_fingerprint": fingerprint,
+        "runtime": runtime.name,
+        "costs": costs,
         "eval_settings": eval_settings(recipe),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "offline": offline,
@@ -437,6 +468,7 @@ def run(recipe, args) -> list[Path]:
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = select_checkpoints(recipe.run_dir, which)
     target = load_target(recipe.target)
+    runtime = make_runtime(target, recipe.eval.runtime)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     reference = None
@@ -452,7 +484,8 @@ def run(recipe, args) -> list[Path]:
         report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step, kind,
                                      heldout_metrics(step_dir),
                                      with_comparators=step_dir == steps[-1] or kind == "draft_lm",
-                                     reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir))
+                                     reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir),
+                                     runtime=runtime)
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
         write_json_atomic(out, report)
         for r in report["results"]:

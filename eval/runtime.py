@@ -49,18 +49,30 @@ def parse_runtime(name: str) -> tuple[str, str]:
     return kind, short[dt]
 
 
+def resolve_runtime_name(name: str, config) -> str:
+    """`auto`: the static runtime in bf16 where it supports the architecture (the fastest exact runtime
+    measured by `make bench ARGS=runtime`), else transformers' forward in bf16."""
+    if name != "auto":
+        parse_runtime(name)
+        return name
+    return "static-bf16" if _static_supports(config) else "eager-bf16"
+
+
+def _static_supports(config) -> bool:
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return config.model_type in STATIC_MODEL_TYPES and not sliding
+
+
 def make_runtime(model, name: str):
-    """The target `model` wrapped in runtime `name`, its weights cast to the runtime's dtype (in place)."""
+    """The target `model` wrapped in runtime `name` (or `auto`), its weights cast to the runtime's dtype (in place)."""
+    name = resolve_runtime_name(name, model.config)
     kind, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
     if kind == "static":
-        if model.config.model_type not in STATIC_MODEL_TYPES:
-            raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)}, "
-                                   f"not '{model.config.model_type}'; use eager-{name.split('-')[1]}")
-        if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True) \
-                and model.config.model_type == "mistral":
-            raise SpecdistillError(f"eval.runtime {name}: sliding-window attention is not supported by the static "
-                                   "runtime; use the eager runtime")
+        if not _static_supports(model.config):
+            raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
+                                   f"without sliding-window attention, not this '{model.config.model_type}'; "
+                                   f"use eager-{name.split('-')[1]}")
         return StaticRuntime(model, name)
     return EagerRuntime(model, name)
 
@@ -257,3 +269,25 @@ class StaticRuntime:
         scores = scores.view(1, self.kv_heads, groups, m, -1) * self.scaling
         probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
         return torch.matmul(probs.view(1, self.kv_heads, groups * m, -1), v).view(1, self.heads, m, self.head_dim)
+
+
+def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[str, float]:
+    """Median ms of one forward over M new tokens after the first len(ids) - max(sizes) tokens are cached,
+    for each M in `sizes` (the cost curve behind v(M) = ms(M) / ms(1)); one untimed forward first."""
+    import statistics
+    import time
+
+    past = ids.numel() - max(sizes)
+    runtime.reset(ids.numel() + 8)
+    with torch.inference_mode():
+        runtime.forward(ids[:past], 0, logits_to_keep=1)
+        costs = {}
+        for m in sizes:
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                runtime.forward(ids[past:past + m], past)
+                times.append(time.perf_counter() - t0)
+                runtime.crop(past)
+            costs[str(m)] = 1000 * statistics.median(times[1:])
+    return costs

@@ -148,6 +148,10 @@ class EvalConfig(Section):
     comparators: bool = True
     seed: int = 0
     tree: dict[str, int | str | list[list[int]]] | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
+    runtime: str = Field("auto", description="how the target runs while decoding (eval/runtime.py): eager-fp32, "
+                         "eager-bf16, static-fp32, static-bf16, or auto = static-bf16 where the static runtime "
+                         "supports the architecture, else eager-bf16; the baseline, the drafts and the "
+                         "comparators all run in it")
 
 
 class ExportConfig(Section):

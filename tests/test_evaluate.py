@@ -167,9 +167,11 @@ def test_mtbench_prompts_first_turn_and_category(smollm_tokenizer):
 def test_leviathan_and_best_k():
     assert evaluate.leviathan_tau(0.5, 3) == pytest.approx(1.875)
     assert evaluate.leviathan_tau(1.0, 3) == 4.0
-    # high acceptance and cheap drafts favour long chains; near-zero acceptance favours K=1
-    assert evaluate.best_k([0.9, 0.9, 0.9, 0.9], 1.0, 20.0)[0] == 4
-    assert evaluate.best_k([0.05, 0.05, 0.05, 0.05], 5.0, 20.0)[0] == 1
+    # best K = the highest measured speedup; a tie goes to the shorter chain
+    assert evaluate.best_k({"2": 1.10, "3": 1.21, "4": 1.05}) == 3
+    assert evaluate.best_k({"4": 0.9, "2": 0.9}) == 2
+    # tau / (K d + v(K+1)): tau 2 with K=3, d 0.05, v(4) 1.1 -> 2 / 1.25
+    assert evaluate.predicted_speedup(2.0, 3, 0.05, {"4": 1.1}) == pytest.approx(1.6)
 
 
 def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
