@@ -403,6 +403,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs,
                                                                                     tree_runs)
             result["transformers_mismatched_prompts"] = mismatched
+            result["lossless_vs_transformers_reference"] = (
+                f"transformers generate(), greedy, {str(target.dtype).removeprefix('torch.')} weights; a mismatch in "
+                "16-bit can be a near-tie resolved differently by other kernels (see transformers_mismatched_prompts)")
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
