@@ -291,6 +291,43 @@ def cache_settings(recipe, store: list[str]) -> dict:
     return recipe.cache.model_dump(mode="json", exclude=skip | {"dir", "mode"})
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def remembered_tokenizer_fingerprint(recipe, compute) -> str:
+    """The target tokenizer's fingerprint without loading transformers when its files are unchanged: loading a
+    tokenizer costs seconds of imports, most of a cache stage that only finds its shared cache. Remembered in
+    <shared cache root>/tokenizer-fingerprints.json by a hash of the tokenizer files (local targets only)."""
+    from specdistill.layout import shared_cache_root
+    from specdistill.target import resolve_target
+
+    where = Path(resolve_target(recipe.target))
+    if not where.is_dir():
+        return compute()
+    from importlib.metadata import version
+
+    h = hashlib.sha256(version("transformers").encode())  # how the files are read is part of it
+    for name in TOKENIZER_FILES:
+        f = where / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    key = h.hexdigest()
+    memo_file = shared_cache_root(recipe) / "tokenizer-fingerprints.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    if key not in memo:
+        memo[key] = compute()
+        try:
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(memo_file, memo)
+        except OSError:
+            pass
+    return memo[key]
+
+
 def cache_key(fingerprints: dict, store: list[str], aux_layers: list[int]) -> str:
     """The shared cache folder's name: a hash of everything that shapes the cache (what it is made from, what it stores)."""
     what = {**fingerprints, "store": store, "aux_layers": aux_layers}
@@ -339,7 +376,8 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
     if corpus_summary["splits"]["train"]["assistant_tokens"] == 0:
         raise SpecdistillError(f"{corpus_path}: no trained tokens in the train split (every loss_mask is 0); "
                                f"check the corpus format and column mapping")
-    tokenizer = tokenizer or load_tokenizer(recipe.target)
+    tokenizer_fp = fingerprint_tokenizer(tokenizer) if tokenizer is not None else \
+        remembered_tokenizer_fingerprint(recipe, lambda: fingerprint_tokenizer(load_tokenizer(recipe.target)))
     cfg = model.config if model is not None else load_target_config(recipe.target)
     store = resolve_store(recipe)
     aux_layers = resolve_aux_layers(recipe, cfg.num_hidden_layers) if "hidden_aux" in store else []
@@ -349,7 +387,7 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
         store, aux_layers = [], []
     settings = {"store": store, "aux_layers": aux_layers, "dtype": recipe.cache.dtype, "topk": recipe.cache.topk,
                 "batch_tokens": recipe.cache.batch_tokens, "online": online}
-    fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": fingerprint_tokenizer(tokenizer),
+    fingerprints = {"target": fingerprint_target(recipe.target), "tokenizer": tokenizer_fp,
                     "corpus": corpus_summary["fingerprint"], "cache": cache_settings(recipe, store)}
     if corpus_summary.get("tokenizer") not in (None, fingerprints["tokenizer"]):
         raise SpecdistillError(f"{corpus_path}: prepared with another tokenizer than target {recipe.target.path}'s "
