@@ -31,16 +31,18 @@ EAGLE_DEPTHS = 3  # EAGLE-1 drafting unrolled this deep on the held-out split (E
 
 
 @torch.no_grad()
-def eagle_unrolled_acceptance(head, batch, parts, depths: int = EAGLE_DEPTHS) -> tuple[list, list, list]:
+def eagle_unrolled_acceptance(model, batch, parts, depths: int = EAGLE_DEPTHS) -> tuple[list, list, list]:
     """EAGLE-1 drafting simulated on a held-out batch: depth s at start t reads token x[t+1+s] and, from depth 2
     on, its own predicted feature of depth s-1 (EAGLE's drafting), attending to the real-feature positions <= t
     and its own earlier depths of the same chain (eagle3.ttt_mask, the pattern the engine's cache produces).
     It predicts token x[t+2+s], counted where trained, against the target's p at that position.
-    Returns per depth (top-1 hits, sum of min(p, q), positions)."""
+    `model` is the head or its DeepSpeed engine (same call signature). Returns per depth (top-1 hits, sum of
+    min(p, q), positions)."""
     from transformers import DynamicCache
 
     from specdistill.train.eagle3 import ttt_mask
 
+    head = getattr(model, "module", model)
     ids, att = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
     L = T - 1  # head position t reads (x[t+1], f[t])
@@ -53,7 +55,7 @@ def eagle_unrolled_acceptance(head, batch, parts, depths: int = EAGLE_DEPTHS) ->
     for s in range(min(depths, L - 1)):
         inp = torch.zeros(B, L, dtype=ids.dtype, device=ids.device)
         inp[:, :L - s] = ids[:, 1 + s:]
-        state = head(inp, state, base + s, past_key_values=cache, attention_mask=ttt_mask(L, s, att[:, 1:]))
+        state = model(inp, state, base + s, cache, ttt_mask(L, s, att[:, 1:]))
         c = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
         c[:, :L - 1 - s] = trained[:, 2 + s:]
         p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, h[:, 1 + s:][c[:, :L - s]]).float(), -1)
@@ -73,7 +75,7 @@ def offline_metrics(kind: str, model, batches, parts) -> dict:
     depth_hits, depth_overlap, depth_n = [0] * EAGLE_DEPTHS, [0.0] * EAGLE_DEPTHS, [0] * EAGLE_DEPTHS
     for batch in batches:
         if kind == "eagle" and "hidden_last" in batch:
-            for i, (a, b, c) in enumerate(zip(*eagle_unrolled_acceptance(getattr(model, "module", model), batch, parts))):
+            for i, (a, b, c) in enumerate(zip(*eagle_unrolled_acceptance(model, batch, parts))):
                 depth_hits[i] += a
                 depth_overlap[i] += b
                 depth_n[i] += c
