@@ -61,7 +61,7 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos) -> dic
     engine_draft, target = decoder.draft, decoder.target
     seq = torch.cat([ids, torch.zeros(DRAFT_K + 1, dtype=torch.long)])
     target.reset(PREFIX + 64)
-    engine_draft.reset()
+    engine_draft.reset(PREFIX + 64)
     _, features = target.forward(seq[:PREFIX], 0)
     n = PREFIX + 1
 

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.runtime import EagerRuntime, runtime_name
+from specdistill.eval.runtime import EagerRuntime, StaticEagle3Head, StaticRuntime, runtime_name
 from specdistill.eval.sampling import probs_from_logits, sample, verify_chain, verify_greedy
 
 
@@ -198,7 +198,7 @@ class NoDraft:
     """K = 0: the engine then decodes plain autoregressively (the baseline)."""
     needs_features = False
 
-    def reset(self) -> None:
+    def reset(self, capacity: int = 0) -> None:
         pass
 
     def propose(self, seq, n, new_features, k, temperature, generator):
@@ -213,7 +213,7 @@ class DraftLM:
         self.model = model.eval().requires_grad_(False)
         self.cache = None
 
-    def reset(self) -> None:
+    def reset(self, capacity: int = 0) -> None:
         self.cache = new_cache(self.model.config)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
@@ -255,25 +255,27 @@ class EagleDraft:
     def pick(self, h, temperature, generator):
         return _pick(self.head.logits(h), temperature, generator)
 
-    def reset(self) -> None:
+    def reset(self, capacity: int = 0) -> None:
         self.cache = new_cache(self.head.config)
+
+    def run(self, ids: torch.Tensor, state: torch.Tensor, start: int) -> torch.Tensor:
+        """The head over ids [M] and states [1, M, H] at positions start.. (its cache cut to `start` first)."""
+        crop_cache(self.cache, start)
+        return self.head(ids[None], state, torch.arange(start, start + ids.numel())[None], past_key_values=self.cache)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
         m = 0 if new_features is None else new_features.shape[0]
         real = n - 1 - m  # positions [0, real) already hold real-feature entries
-        crop_cache(self.cache, real)
         if m == 0 or k == 0:
             return _stack([], [])
-        pos = torch.arange(real, n - 1)[None]
-        h = self.head(seq[real + 1:n][None], self.project(new_features[None]), pos,
-                      past_key_values=self.cache)[:, -1:]
+        h = self.run(seq[real + 1:n], self.project(new_features[None]), real)[:, -1:]
         tokens, qs = [], []
         for i in range(k):
             tok, q = self.pick(h[0, -1], temperature, generator)
             tokens.append(tok)
             qs.append(q)
             if i + 1 < k:
-                h = self.head(tok.view(1, 1), h, torch.tensor([[n - 1 + i]]), past_key_values=self.cache)
+                h = self.run(tok.view(1), h, n - 1 + i)
         return _stack(tokens, qs)
 
 
@@ -283,10 +285,21 @@ class Eagle3Draft(EagleDraft):
     Same cache discipline as EagleDraft. At T>0, q is the draft-vocabulary distribution placed on
     the target ids (zero elsewhere), which keeps the accept/residual rule exact."""
 
-    def __init__(self, head):
+    def __init__(self, head, static: bool = False):
         super().__init__(head)
         self.draft_ids = head.draft_ids
         self.vocab = head.config.vocab_size
+        self.static = StaticEagle3Head(head) if static else None  # the static runtime's lean drafting forward
+
+    def reset(self, capacity: int = 0) -> None:
+        if self.static is None:
+            return super().reset(capacity)
+        self.static.reset(capacity)
+
+    def run(self, ids, state, start):
+        if self.static is None:
+            return super().run(ids, state, start)
+        return self.static.forward(ids, state, start)  # slots past `start` are masked: no crop needed
 
     def features(self, hidden_states):
         return self.head.target_features(hidden_states, self.head.aux_layers)
@@ -306,8 +319,9 @@ class Eagle3Draft(EagleDraft):
         return self.to_target(sample(qd, generator)), q
 
 
-def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
-    """Wrap a draft module (EagleHead or a causal LM) for the engine, checking its vocabulary first."""
+def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None, static: bool = False):
+    """Wrap a draft module (EagleHead or a causal LM) for the engine, checking its vocabulary first.
+    static: the target runs in the static runtime, and an EAGLE-3 head drafts over a slot cache too."""
     if draft is None:
         return NoDraft()
     if hasattr(draft, "propose"):  # already an engine draft
@@ -317,7 +331,7 @@ def make_draft(draft, target=None, target_tokenizer=None, draft_tokenizer=None):
         if target is not None and draft.config.vocab_size != vocab_size_of(target):
             raise SpecdistillError(f"draft: EAGLE-3 head built for vocabulary size {draft.config.vocab_size}, "
                                    f"the target's is {vocab_size_of(target)}")
-        return Eagle3Draft(draft)
+        return Eagle3Draft(draft, static)
     if target is not None:
         check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
     if kind == "eagle":
@@ -341,7 +355,7 @@ class SpeculativeDecoder:
         runtime = as_runtime(target)
         if draft is not None and not hasattr(draft, "propose"):
             draft.to(runtime.dtype)
-        self.draft = make_draft(draft, runtime.model, target_tokenizer)
+        self.draft = make_draft(draft, runtime.model, target_tokenizer, static=isinstance(runtime, StaticRuntime))
         self.target = Target(runtime, self.draft.features if self.draft.needs_features else None)
         self.k = k if not isinstance(self.draft, NoDraft) else 0
         self.eos_ids = set(eos_ids)
@@ -362,7 +376,7 @@ class SpeculativeDecoder:
 
         start = time.perf_counter()
         target.reset(p_len + max_new_tokens + SLACK)
-        draft.reset()
+        draft.reset(p_len + max_new_tokens + SLACK)
         new_features = None
         if p_len > 1:  # prefill everything but the pending last prompt token
             _, new_features = target.forward(seq[:p_len - 1], 0, logits_to_keep=1)

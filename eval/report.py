@@ -292,7 +292,7 @@ def time_table(evals: list[dict], many_runs: bool) -> str:
 
 def tau_k_table(evals: list[dict], many_runs: bool) -> str:
     header = ["checkpoint", "T", "α", "K", "measured τ", "Leviathan E", "simulated τ (held-out)", "speedup at K",
-              "best K"]
+              "predicted τ/(Kd+v)", "best K"]
     rows = []
     for e in evals:
         for r in sorted(e["results"], key=lambda r: float(r["temperature"])):
@@ -302,8 +302,24 @@ def tau_k_table(evals: list[dict], many_runs: bool) -> str:
                 t = float(r["temperature"])
                 rows.append([label(e, many_runs), num(t, 1), num(alpha), str(k), num(tau),
                              num(leviathan_tau(alpha, k)) if alpha is not None else DASH,
-                             num(heldout_simulated_tau(e, t, k)), num(speedup, 2), num(r.get("best_k"))])
+                             num(heldout_simulated_tau(e, t, k)), num(speedup, 2),
+                             num((r.get("predicted_speedup_by_k") or {}).get(str(k)), 2), num(r.get("best_k"))])
     return table(header, rows)
+
+
+def cost_table(evals: list[dict], many_runs: bool) -> str:
+    """The measured cost curve of each eval: ms of a 1-token forward, v(M) = ms(M) / ms(1), and d."""
+    sizes = sorted({int(m) for e in evals for m in ((e.get("costs") or {}).get("v") or {})})
+    header = ["checkpoint", "runtime", "ms, 1 token"] + [f"v({m})" for m in sizes if m > 1] + ["d (T=0)"]
+    rows = []
+    for e in evals:
+        c = e.get("costs")
+        if not c:
+            continue
+        r0 = next((r for r in e["results"] if float(r["temperature"]) == 0), e["results"][0])
+        rows.append([label(e, many_runs), c["runtime"], num(c["forward_ms"]["1"], 1)]
+                    + [num(c["v"].get(str(m)), 2) for m in sizes if m > 1] + [num(r0.get("d"), 3)])
+    return table(header, rows) if rows else "(no cost curve in these results: evaluated before eval/runtime.py)"
 
 
 def tree_label(shape: dict) -> str:
@@ -698,6 +714,14 @@ For a tree, α per depth is the share of steps whose accepted path went one leve
 accepted path length + 1. At T>0 trees fall back to the exact chain (eval/tree.py).
 
 {chain_vs_tree_table(evals, many)}
+
+## What a step costs (`eval.runtime`)
+Per step, speedup = τ / (K·d + v(K+1)): v(M) = a forward over M new tokens ÷ a 1-token forward, d = a draft
+step ÷ a 1-token forward, both measured in the eval's own runtime (M = 1..9 after a 128-token cached prefix;
+the largest M is the tree's size when there is a tree). The τ-per-K table above puts the speedup these costs
+predict beside the measured one; with these costs a draft breaks even at τ = K·d + v(K+1).
+
+{cost_table(evals, many)}
 
 ## Where the time goes; α per draft depth
 {time_table(evals, many)}

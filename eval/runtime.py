@@ -152,6 +152,82 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class SlotCache:
+    """Keys and values of some attention layers, preallocated for `capacity` slots and indexed by slot,
+    with the rope table of every position: what the static runtime and the static draft head share."""
+
+    def __init__(self, num_layers: int, attn, rotary, dtype: torch.dtype):
+        self.num_layers, self.rotary, self.dtype = num_layers, rotary, dtype
+        self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.out_features // self.head_dim
+        self.kv_heads = attn.k_proj.out_features // self.head_dim
+        self.scaling = attn.scaling
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.cos = self.sin = None
+
+    def reset(self, capacity: int) -> None:
+        """Capacity is rounded up so that nearby lengths share one shape (and one attention shape)."""
+        capacity = -(-capacity // 256) * 256
+        if capacity != self.capacity:
+            shape = (1, self.kv_heads, capacity, self.head_dim)
+            self.keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
+            cos, sin = self.rotary(probe, torch.arange(capacity)[None])  # the model's own rope, scaling included
+            self.cos, self.sin = cos[0], sin[0]
+            self.capacity = capacity
+
+    def check(self, end: int) -> None:
+        if end > self.capacity:
+            raise SpecdistillError(f"static runtime: {end} slots needed, the cache holds {self.capacity}")
+
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        """Move the entries at `slots` (ascending, >= start) to start, start+1, ..."""
+        idx = torch.tensor(slots)
+        for cache in (*self.keys, *self.values):
+            cache[:, :, start:start + len(slots)] = cache.index_select(2, idx)
+
+    def rope(self, positions: torch.Tensor):
+        return self.cos[positions][None, None], self.sin[positions][None, None]
+
+    def attention(self, i: int, attn, x, slots, rope, mask):
+        """transformers' Llama/Qwen attention of layer i for x [1, M, D_in], writing its keys/values at
+        `slots`; mask [1, 1, 1, M, capacity] (True = attend)."""
+        cos, sin = rope
+        shape = (1, x.shape[1], -1, self.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.keys[i].index_copy_(2, slots, k)
+        self.values[i].index_copy_(2, slots, v)
+        out = self._attend(q, self.keys[i], self.values[i], mask)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
+
+    def _attend(self, q, k, v, mask):
+        """Attention of q [1, H, M, D] over every slot, with the query heads that share a KV head stacked
+        as rows of one matmul (no repeated KV). Not torch's fused SDPA: on this CPU its bf16 kernel gives
+        a row a different result when 5 or more rows share the call; two matmuls with a float32 softmax
+        between them (transformers' eager attention) do not."""
+        m = q.shape[2]
+        groups = self.heads // self.kv_heads
+        scores = torch.matmul(q.reshape(1, self.kv_heads, groups * m, self.head_dim), k.transpose(-1, -2))
+        scores = scores.view(1, self.kv_heads, groups, m, -1) * self.scaling
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        return torch.matmul(probs.view(1, self.kv_heads, groups * m, -1), v).view(1, self.heads, m, self.head_dim)
+
+
+def chain_mask(slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Each new slot sees every slot up to itself: [1, 1, 1, M, capacity]."""
+    return (torch.arange(capacity)[None, :] <= slots[:, None])[None, None, None]
+
+
 class StaticRuntime:
     """Our forward for Llama-style targets over a preallocated KV cache indexed by slot (gpt-fast style).
 
@@ -163,44 +239,22 @@ class StaticRuntime:
 
     def __init__(self, model, name: str):
         self.model, self.name = model, name
-        self.config = model.config
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
-        attn = self.layers[0].self_attn
-        self.heads = self.config.num_attention_heads
-        self.kv_heads = self.config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-        self.rotary = inner.rotary_emb
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
-        self.capacity = 0
-        self.cos = self.sin = None
+        self.cache = SlotCache(len(self.layers), self.layers[0].self_attn, inner.rotary_emb, self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
     def reset(self, capacity: int) -> None:
-        """A fresh cache for one prompt; capacity is rounded up so that nearby lengths share one shape."""
-        capacity = -(-capacity // 256) * 256
-        if capacity != self.capacity:
-            shape = (1, self.kv_heads, capacity, self.head_dim)
-            self.k_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-            self.v_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-            pos = torch.arange(capacity)[None]
-            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
-            cos, sin = self.rotary(probe, pos)  # the target's own rope (scaling included), once per capacity
-            self.cos, self.sin = cos[0], sin[0]
-            self.capacity = capacity
+        self.cache.reset(capacity)
 
     def crop(self, n: int) -> None:
         pass  # slots past the committed length are masked until overwritten: rollback is free
 
     def keep_path(self, start: int, slots: list[int]) -> None:
-        idx = torch.tensor(slots)
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[:, :, start:start + len(slots)] = cache.index_select(2, idx)
+        self.cache.keep_path(start, slots)
 
     def forward(self, ids: torch.Tensor, past: int, hidden: bool = False, logits_to_keep: int = 0,
                 parents: list[int] | None = None, depths: list[int] | None = None):
@@ -211,24 +265,21 @@ class StaticRuntime:
             twice = (lambda x: None if x is None else list(x) * 2)
             logits, states = self.forward(ids.repeat(2), past, hidden, 0, twice(parents), twice(depths))
             return logits[:1], ([s[:1] for s in states] if hidden else None)
-        m = ids.numel()
-        if past + m > self.capacity:
-            raise SpecdistillError(f"static runtime: {past + m} slots needed, cache holds {self.capacity}")
+        m, cache = ids.numel(), self.cache
+        cache.check(past + m)
         slots = torch.arange(past, past + m)
-        keys = torch.arange(self.capacity)
         if parents is None:
-            positions = slots
-            mask = keys[None, :] <= slots[:, None]
+            positions, mask = slots, chain_mask(slots, cache.capacity)
         else:
             positions = past + torch.tensor(depths)
-            mask = (keys[None, :] < past).repeat(m, 1)
+            mask = (torch.arange(cache.capacity)[None, :] < past).repeat(m, 1)
             mask[:, past:past + m] = tree_mask(parents)
-        mask = mask[None, None, None]  # [1, 1, 1, M, S]: broadcast over KV heads and groups
-        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+            mask = mask[None, None, None]
+        rope = cache.rope(positions)
         x = self.embed(ids[None])
         states = [x] if hidden else None
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, _rms_norm(x, layer.input_layernorm), i, slots, cos, sin, mask)
+            x = x + cache.attention(i, layer.self_attn, _rms_norm(x, layer.input_layernorm), slots, rope, mask)
             h = _rms_norm(x, layer.post_attention_layernorm)
             mlp = layer.mlp
             x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -242,33 +293,33 @@ class StaticRuntime:
         logits = self.lm_head(x)
         return logits[0], ([s[0] for s in states] if hidden else None)
 
-    def _attention(self, layer, x, i, slots, cos, sin, mask):
-        attn = layer.self_attn
-        shape = (1, x.shape[1], -1, self.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
-            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        self.k_cache[i].index_copy_(2, slots, k)
-        self.v_cache[i].index_copy_(2, slots, v)
-        out = self._attend(q, self.k_cache[i], self.v_cache[i], mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
 
-    def _attend(self, q, k, v, mask):
-        """Attention of q [1, H, M, D] over every cache slot, with the query heads that share a KV head
-        stacked as rows of one matmul (no repeated KV). Not torch's fused SDPA: on this CPU its bf16
-        kernel gives a row a different result when 5 or more rows share the call; two matmuls with a
-        float32 softmax between them (transformers' eager attention) do not."""
-        m = q.shape[2]
-        groups = self.heads // self.kv_heads
-        scores = torch.matmul(q.reshape(1, self.kv_heads, groups * m, self.head_dim), k.transpose(-1, -2))
-        scores = scores.view(1, self.kv_heads, groups, m, -1) * self.scaling
-        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-        return torch.matmul(probs.view(1, self.kv_heads, groups * m, -1), v).view(1, self.heads, m, self.head_dim)
+class StaticEagle3Head:
+    """An EAGLE-3 head's drafting forward over a SlotCache: the same computation as `Eagle3Head.forward`
+    for a chain (causal over the head's own cache), without transformers' per-call cache and mask work;
+    what the engine runs when the target runs in the static runtime."""
+
+    def __init__(self, head):
+        self.head = head
+        layer = head.layers[0]
+        self.layer = layer
+        self.cache = SlotCache(1, layer.self_attn, head.rotary_emb, head.fc.weight.dtype)
+
+    def reset(self, capacity: int) -> None:
+        self.cache.reset(capacity)
+
+    def forward(self, ids: torch.Tensor, state: torch.Tensor, past: int) -> torch.Tensor:
+        """ids [M] (token t+1 of each position), state [1, M, H] -> the head's output states [1, M, H]."""
+        layer, cache = self.layer, self.cache
+        m = ids.numel()
+        cache.check(past + m)
+        slots = torch.arange(past, past + m)
+        emb = self.head.embed_tokens(ids[None]).to(state.dtype)
+        x = torch.cat([_rms_norm(emb, layer.input_layernorm), _rms_norm(state, layer.hidden_norm)], dim=-1)
+        h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
+        mlp = layer.mlp
+        g = _rms_norm(h, layer.post_attention_layernorm)
+        return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(g)) * mlp.up_proj(g))
 
 
 def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[str, float]:

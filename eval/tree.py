@@ -47,7 +47,7 @@ from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SLACK, DecodeResult, SpeculativeDecoder, Target, as_runtime, crop_cache, cut_at_eos, make_draft
-from specdistill.eval.runtime import additive
+from specdistill.eval.runtime import StaticRuntime, additive
 
 
 @dataclass
@@ -261,7 +261,8 @@ class TreeDecoder:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.runtime = as_runtime(target)
         head.to(self.runtime.dtype)
-        self.chain_draft = make_draft(head, self.runtime.model)  # checks the vocabulary; also the T > 0 fallback
+        self.chain_draft = make_draft(head, self.runtime.model,  # checks the vocabulary; also the T > 0 fallback
+                                      static=isinstance(self.runtime, StaticRuntime))
         self.target = Target(self.runtime, self.chain_draft.features)
         self.drafter = TreeDrafter(self.chain_draft)
         self.eos_ids = set(eos_ids)

@@ -47,7 +47,7 @@ class ConstantDraft:
     def __init__(self, token: int, vocab: int):
         self.token, self.vocab = token, vocab
 
-    def reset(self):
+    def reset(self, capacity: int = 0):
         pass
 
     def propose(self, seq, n, new_features, k, temperature, generator):

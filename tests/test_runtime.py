@@ -136,3 +136,29 @@ def test_runtime_names_and_unsupported_targets():
         parse_runtime("compiled-int4")
     with pytest.raises(SpecdistillError, match="static runtime supports"):
         make_runtime(tiny_model("gemma2", vocab_size=V), "static-bf16")
+
+
+def test_static_eagle3_head_computes_what_the_head_computes():
+    """The static drafting forward = Eagle3Head.forward over a DynamicCache: real-feature positions, then
+    drafted positions one at a time, each after a rollback of one drafted entry (fp32)."""
+    from transformers import DynamicCache
+
+    from specdistill.eval.runtime import StaticEagle3Head
+
+    model = target()
+    head = eagle3_for(model, list(range(0, V, 4)))
+    static = StaticEagle3Head(head)
+    static.reset(64)
+    cache = DynamicCache(config=head.config)
+    torch.manual_seed(3)
+    ids, state = torch.randint(0, V, (6,)), torch.randn(1, 6, head.config.hidden_size)
+    with torch.no_grad():
+        want = head(ids[None], state, torch.arange(6)[None], past_key_values=cache)
+        got = static.forward(ids, state, 0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for start, tok in ((6, 17), (7, 33), (6, 99)):  # the last one rolls back over a drafted entry
+            cache.crop(start)
+            step = torch.tensor([tok])
+            want = head(step[None], want[:, -1:], torch.tensor([[start]]), past_key_values=cache)
+            got = static.forward(step, got[:, -1:], start)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

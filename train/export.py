@@ -497,9 +497,9 @@ def speculative_tokens(recipe, step_dir: Path, why: bool = False):
     k, reason = recipe.export.num_speculative_tokens, "export.num_speculative_tokens"
     if not k:
         data, _ = eval_summary(recipe.run_dir, step_dir.name)
-        best = [r.get("best_k") for r in (data or {}).get("results", []) if r.get("temperature") == 0]
-        k, reason = (int(best[0]), "the best K measured at T=0 by `specdistill eval`") if best and best[0] \
-            else (recipe.eval.k, "eval.k (no measured best K)")
+        best = [r for r in (data or {}).get("results", []) if r.get("temperature") == 0 and r.get("best_k")]
+        k, reason = (int(best[0]["best_k"]), "the best K measured at T=0 by `specdistill eval`: "
+                     + best[0].get("best_k_from", "")) if best else (recipe.eval.k, "eval.k (no measured best K)")
     return (k, reason) if why else k
 
 
