@@ -50,6 +50,11 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
               f"(baseline {r['baseline_ms_per_verify']:.2f} ms/forward), {r['ms_per_token']:.2f} ms/token vs "
               f"baseline {r['baseline_ms_per_token']:.2f}; predicted tau (Leviathan, iid alpha) "
               f"{r['predicted_tau_leviathan']:.2f} vs measured {r['tau']:.2f}")
+        if r.get("predicted_speedup_by_k"):
+            print("  per K: " + "; ".join(
+                f"K={k} tau {r['tau_by_k'][k]:.2f} speedup {r['speedup_by_k'][k]:.2f}x "
+                f"(predicted tau/(Kd+v) {r['predicted_speedup_by_k'][k]:.2f}x)" for k in r["speedup_by_k"])
+                  + f"; d {r['d']:.3f}, v(2..5) " + ", ".join(f"{report['costs']['v'][str(m)]:.2f}" for m in range(2, 6)))
     for cname, c in report["comparators"].items():
         print(f"  comparator {cname} (T=0): {c['tokens_per_s']:.1f} tok/s, speedup {c['speedup']:.2f}x vs our baseline")
     return report
