@@ -227,7 +227,7 @@ def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
         sizes.append(tree.shape.total_tokens + 1 if tree.shape.kind == "dynamic" else len(tree.shape.paths) + 1)
     while len(ids) < 128 + max(sizes):
         ids = ids + ids
-    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)))
+    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
     return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
             "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
 
