@@ -218,6 +218,26 @@ def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperatur
     return base_runs, spec_runs, comp, tree_runs
 
 
+@torch.inference_mode()
+def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
+    """Where a T=0 decode left plain greedy decoding: per run that differs, the first differing position
+    and the gap between the top-2 logits of plain decoding's own forward there (a gap at rounding level
+    means a near-tie that batched and 1-token forwards broke differently, not a wrong engine)."""
+    found = []
+    for label, runs in runs_by_label.items():
+        for i, (run, base) in enumerate(zip(runs, base_runs)):
+            if run.tokens == base.tokens:
+                continue
+            at = next((j for j, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b),
+                      min(len(run.tokens), len(base.tokens)))
+            ids = torch.tensor(prompts[i].ids + base.tokens[:at])
+            runtime.reset(ids.numel() + 8)
+            logits, _ = runtime.forward(ids, 0, logits_to_keep=1)
+            top = logits[-1].float().topk(2).values
+            found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
+    return found
+
+
 def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
     """The runtime's cost curve: ms of one forward over M = 1..9 new tokens (and the tree's size) after a
     128-token cached prefix of real prompt text, and v(M) = ms(M) / ms(1)."""
@@ -392,6 +412,11 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
         if tree_runs:
             result["tree"] = summarise_tree(dict(cfg.tree), base_runs, tree_runs)
+        if temperature == 0:  # `lossless` stays strict; beside it, each divergence and how close a tie it was
+            labelled = {f"chain K={k}": runs for k, runs in spec_runs.items()}
+            if tree_runs:
+                labelled["tree"] = tree_runs
+            result["divergences"] = divergences(runtime, prompts, base_runs, labelled)
         results.append(result)
         if temperature > 0:
             sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
@@ -410,7 +435,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
                 comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
-    comp_note = "transformers decoders, greedy (T=0), same prompts and max_new_tokens; speedup vs our baseline"
+    comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
+                 f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
+                 f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
     if not cfg.comparators:
         comp_note = "skipped (eval.comparators: false)"
     elif not with_comparators:

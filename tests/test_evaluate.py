@@ -186,6 +186,7 @@ def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
     draft = eagle3_for(target, list(range(0, target.config.vocab_size, 7)))
     report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
     assert report["results"][0]["lossless"] is True and report["comparators"] == {}
+    assert report["results"][0]["divergences"] == []
     offline = report["offline"]["prompts"]
     assert offline["fkl"] is None and 0.0 <= offline["tvd"] <= 1.0 and offline["positions"] > 0
 
@@ -323,3 +324,22 @@ def test_bootstrap_interval_covers_the_spread_of_prompts():
     assert ci["speedup_ci95"][0] < (100 / 15) / (100 / 10) < ci["speedup_ci95"][1]
     same = evaluate.bootstrap_ci95(base, [run(10, 2, 8, 8, 1.0)] * 10)
     assert same["tau_ci95"] == [5.0, 5.0] and same["speedup_ci95"] == [1.0, 1.0]
+
+
+def test_divergences_name_the_first_differing_position_and_its_top2_gap():
+    """A decode that left plain greedy decoding at position 2: reported with plain decoding's own top-2 gap."""
+    from specdistill.eval.engine import DecodeResult
+    from specdistill.eval.prompts import Prompt
+    from specdistill.eval.runtime import make_runtime
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", vocab_size=64)
+    runtime = make_runtime(model, "static-fp32")
+    prompts = [Prompt("a", "x", [5, 9, 11]), Prompt("b", "x", [7, 3])]
+    base = [DecodeResult(tokens=[1, 2, 3, 4]), DecodeResult(tokens=[8, 8])]
+    spec = [DecodeResult(tokens=[1, 2, 30, 4]), DecodeResult(tokens=[8, 8])]
+    found = evaluate.divergences(runtime, prompts, base, {"chain K=2": spec})
+    assert [(d["decoder"], d["prompt"], d["position"]) for d in found] == [("chain K=2", 0, 2)]
+    with torch.no_grad():
+        top = model(torch.tensor([[5, 9, 11, 1, 2]])).logits[0, -1].topk(2).values
+    assert found[0]["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
