@@ -93,9 +93,10 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml") -> dict:
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     ids = _prefix_ids(prompts)
-    eos = eos_token_ids(load_target(recipe.target), tokenizer)
+    reference = load_target(recipe.target)
+    eos = eos_token_ids(reference, tokenizer)
     prompt = prompts[0].ids
-    default = resolve_runtime_name("auto", load_target(recipe.target).config)
+    default = resolve_runtime_name("auto", reference.config)
     report = {"default": default, "target": recipe.target.path, "draft_kind": recipe.draft.kind,
               "prefix_tokens": PREFIX, "threads": torch.get_num_threads(), "runtimes": {}}
     for name in RUNTIMES:

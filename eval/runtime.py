@@ -24,8 +24,10 @@ own plain decoding; the eval JSON then says so (`lossless` false, with each dive
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
@@ -325,9 +327,6 @@ class StaticEagle3Head:
 def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[str, float]:
     """Median ms of one forward over M new tokens after the first len(ids) - max(sizes) tokens are cached,
     for each M in `sizes` (the cost curve behind v(M) = ms(M) / ms(1)); one untimed forward first."""
-    import statistics
-    import time
-
     past = ids.numel() - max(sizes)
     runtime.reset(ids.numel() + 8)
     with torch.inference_mode():
