@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.runtime import EagerRuntime, StaticEagle3Head, StaticRuntime, runtime_name
+from specdistill.eval.runtime import EagerRuntime, StaticEagle3Head, StaticRuntime, crop_cache, new_cache, runtime_name
 from specdistill.eval.sampling import probs_from_logits, sample, verify_chain, verify_greedy
 
 
@@ -120,20 +119,6 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None,
         if a != b:
             raise SpecdistillError(f"{name}: tokenizer fingerprint {b} differs from the target's {a}; "
                                    "a draft must use the target's tokenizer")
-
-
-def new_cache(config) -> DynamicCache:
-    """A KV cache that can be rolled back; sliding-window layers keep what a rollback needs."""
-    cache = DynamicCache(config=config)
-    cache.activate_past_recording()
-    return cache
-
-
-def crop_cache(cache, n: int) -> None:
-    """Roll a KV cache back to its first n positions (a negative crop: the positive form is deprecated)."""
-    extra = cache.get_seq_length() - n
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator):

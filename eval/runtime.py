@@ -94,6 +94,20 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def new_cache(config) -> DynamicCache:
+    """A KV cache that can be rolled back; sliding-window layers keep what a rollback needs."""
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()
+    return cache
+
+
+def crop_cache(cache, n: int) -> None:
+    """Roll a KV cache back to its first n positions (a negative crop: the positive form is deprecated)."""
+    extra = cache.get_seq_length() - n
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class EagerRuntime:
     """transformers' forward over a DynamicCache that can be rolled back (sliding windows included)."""
 
@@ -106,8 +120,7 @@ class EagerRuntime:
         return self.model.dtype
 
     def reset(self, capacity: int) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.cache.activate_past_recording()
+        self.cache = new_cache(self.model.config)
 
     def forward(self, ids: torch.Tensor, past: int, hidden: bool = False, logits_to_keep: int = 0,
                 parents: list[int] | None = None, depths: list[int] | None = None):
@@ -125,9 +138,7 @@ class EagerRuntime:
         return out.logits[0], ([h[0] for h in out.hidden_states] if hidden else None)
 
     def crop(self, n: int) -> None:
-        extra = self.cache.get_seq_length() - n
-        if extra > 0:
-            self.cache.crop(-extra)  # a negative crop: the positive form is deprecated
+        crop_cache(self.cache, n)
 
     def keep_path(self, start: int, slots: list[int]) -> None:
         """Move the KV entries at `slots` (ascending, >= start) to start, start+1, ... and crop after them."""
@@ -139,7 +150,7 @@ class EagerRuntime:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 t[:, :, start:start + len(slots)] = t.index_select(2, idx)  # index_select copies first
-        self.crop(start + len(slots))
+        crop_cache(self.cache, start + len(slots))
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

@@ -46,8 +46,8 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import SLACK, DecodeResult, SpeculativeDecoder, Target, as_runtime, crop_cache, cut_at_eos, make_draft
-from specdistill.eval.runtime import StaticRuntime, additive
+from specdistill.eval.engine import SLACK, DecodeResult, SpeculativeDecoder, Target, as_runtime, cut_at_eos, make_draft
+from specdistill.eval.runtime import StaticRuntime, additive, crop_cache
 
 
 @dataclass
