@@ -123,24 +123,30 @@ def argmax_loop(model, prompt, n, eos_ids=()):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
-def test_greedy_identical_to_a_cache_free_argmax_loop(model_type):
-    """A bug shared by the engine's baseline and its speculative path (prefill convention, cropping, sliding
-    windows) would pass the baseline comparison; a cache-free argmax loop shares none of that code."""
+def target_and_other(model_type: str, vocab: int, sliding_window: int | None):
+    """A tiny untied target (seed 0) and another model of its config (seed 1, a poor draft); with a window,
+    Qwen3 slides it on its first layer only, as its configs do."""
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import tiny_config
 
-    cfg = tiny_config(model_type, vocab_size=256)
+    cfg = tiny_config(model_type, vocab_size=vocab)
     cfg.tie_word_embeddings, cfg.initializer_range = False, 0.2
-    if model_type != "llama":
-        cfg.sliding_window = 8
-    if model_type == "qwen3":
-        cfg.use_sliding_window, cfg.max_window_layers = True, 1
+    if sliding_window is not None:
+        cfg.sliding_window = sliding_window
+        if model_type == "qwen3":
+            cfg.use_sliding_window, cfg.max_window_layers = True, 1
     torch.manual_seed(0)
     tgt = AutoModelForCausalLM.from_config(cfg).eval()
     torch.manual_seed(1)
-    other = AutoModelForCausalLM.from_config(cfg).eval()
+    return tgt, AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def test_greedy_identical_to_a_cache_free_argmax_loop(model_type):
+    """A bug shared by the engine's baseline and its speculative path (prefill convention, cropping, sliding
+    windows) would pass the baseline comparison; a cache-free argmax loop shares none of that code."""
+    tgt, other = target_and_other(model_type, 256, sliding_window=None if model_type == "llama" else 8)
     for prompt in ([3], list(range(5, 25))):  # a one-token prompt (no prefill) and one longer than the window
         want = argmax_loop(tgt, prompt, 24)
         assert SpeculativeDecoder(tgt, None).decode(prompt, 24).tokens == want
@@ -328,18 +334,7 @@ def test_greedy_identical_on_real_target(smollm, smollm_tokenizer):
 @pytest.mark.parametrize("model_type", ["gemma2", "qwen3"])
 def test_greedy_identical_with_sliding_window_target(model_type):
     """Rolling back a sliding-window cache past its window needs recorded past states."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import tiny_config
-
-    cfg = tiny_config(model_type, vocab_size=512)
-    cfg.sliding_window, cfg.tie_word_embeddings, cfg.initializer_range = 8, False, 0.2
-    if model_type == "qwen3":
-        cfg.use_sliding_window, cfg.max_window_layers = True, 1
-    torch.manual_seed(0)
-    tgt = AutoModelForCausalLM.from_config(cfg).eval()
-    torch.manual_seed(1)
-    other = AutoModelForCausalLM.from_config(cfg).eval()
+    tgt, other = target_and_other(model_type, 512, sliding_window=8)
     prompt = list(range(5, 25))  # longer than the window
     want = SpeculativeDecoder(tgt, None).decode(prompt, 30).tokens
     for draft in (tgt, other, eagle_for(tgt)):

@@ -174,15 +174,21 @@ def test_leviathan_and_best_k():
     assert evaluate.predicted_speedup(2.0, 3, 0.05, {"4": 1.1}) == pytest.approx(1.6)
 
 
-def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
-    from tests.test_engine import eagle3_for
-
+def greedy_chain_only(setup):
+    """The setup recipe at T=0 with one K and no comparators, its tokenizer and prompts."""
     recipe, target = setup
     recipe.eval.temperature = 0.0
     recipe.eval.k_sweep = []
     recipe.eval.comparators = False
     tokenizer = load_tokenizer(recipe.target)
-    prompts = load_prompts(recipe.eval, tokenizer)[:2]
+    return recipe, target, tokenizer, load_prompts(recipe.eval, tokenizer)
+
+
+def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
+    from tests.test_engine import eagle3_for
+
+    recipe, target, tokenizer, prompts = greedy_chain_only(setup)
+    prompts = prompts[:2]
     draft = eagle3_for(target, list(range(0, target.config.vocab_size, 7)))
     report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
     assert report["results"][0]["lossless"] is True and report["comparators"] == {}
@@ -226,12 +232,7 @@ def test_tau_alpha_speedup_are_exactly_what_was_decoded(setup, monkeypatch):
 
     from specdistill.eval import engine as engine_mod
 
-    recipe, target = setup
-    recipe.eval.temperature = 0.0
-    recipe.eval.k_sweep = []
-    recipe.eval.comparators = False
-    tokenizer = load_tokenizer(recipe.target)
-    prompts = load_prompts(recipe.eval, tokenizer)
+    recipe, target, tokenizer, prompts = greedy_chain_only(setup)
     decoded = []
     real_decode = engine_mod.SpeculativeDecoder.decode
 
@@ -260,12 +261,7 @@ def test_tau_alpha_speedup_are_exactly_what_was_decoded(setup, monkeypatch):
 def test_warm_up_first_then_order_alternates_per_prompt(setup, monkeypatch):
     from specdistill.eval import engine as engine_mod
 
-    recipe, target = setup
-    recipe.eval.temperature = 0.0
-    recipe.eval.k_sweep = []
-    recipe.eval.comparators = False
-    tokenizer = load_tokenizer(recipe.target)
-    prompts = load_prompts(recipe.eval, tokenizer)
+    recipe, target, tokenizer, prompts = greedy_chain_only(setup)
     calls = []
     real_decode = engine_mod.SpeculativeDecoder.decode
 
