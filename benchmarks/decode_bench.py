@@ -12,27 +12,25 @@ import sys
 
 import torch
 
+from specdistill import kinds, layout
+from specdistill.eval import evaluate
+from specdistill.eval.prompts import load_prompts
+from specdistill.recipe import load_recipe
+from specdistill.target import load_target, load_tokenizer, parts_of, resolve_target
+
 
 def _draft_for(recipe, target):
-    from specdistill import layout
-    from specdistill.train import drafts
-
     found = layout.checkpoints(recipe.run_dir)
     if found:
-        return drafts.load_draft(found[-1], target), found[-1].name, int(found[-1].name.split("-")[1])
+        return kinds.load_draft(found[-1], target), found[-1].name, layout.step_of(found[-1])
     print(f"no checkpoint under {recipe.run_dir}: benchmarking an UNTRAINED {recipe.draft.kind} draft "
           "(acceptance will be near zero; this measures the engine's overhead)", flush=True)
     torch.manual_seed(0)
-    draft = drafts.build_draft(recipe, target.config, target.get_input_embeddings(), target.get_output_embeddings())
+    draft = kinds.kind(recipe.draft.kind).build(recipe, parts_of(target, resolve_target(recipe.target)))
     return draft.eval().requires_grad_(False), "untrained", None
 
 
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = ()) -> dict:
-    from specdistill.eval import evaluate
-    from specdistill.eval.prompts import load_prompts
-    from specdistill.recipe import load_recipe
-    from specdistill.target import load_target, load_tokenizer
-
     recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *overrides])
     target = load_target(recipe.target)
     tokenizer = load_tokenizer(recipe.target)

@@ -22,12 +22,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill.data.prepare import SPLITS, load_prepared
+from specdistill import kinds
+from specdistill.data.prepare import SPLITS, corpus_settings, fingerprint, load_prepared
+from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
-from specdistill.layout import cache_dir, corpus_dir
+from specdistill.formats import read_manifest, write_json_atomic, write_manifest
+from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
+from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
+                                load_tokenizer, resolve_target)
+from specdistill.train.eagle3 import resolve_aux_layers
 
-DEFAULT_STORE = {"eagle": ["hidden_last"], "eagle3": ["hidden_aux", "hidden_last"], "draft_lm": ["topk"]}
-CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
 
@@ -35,23 +39,11 @@ MANIFEST_VERSION = 1
 # ---------------------------------------------------------------------------------------- settings
 
 def resolve_store(recipe) -> list[str]:
-    store = recipe.cache.store if recipe.cache.store is not None else DEFAULT_STORE[recipe.draft.kind]
+    store = recipe.cache.store if recipe.cache.store is not None else kinds.kind(recipe.draft.kind).STORE
     if not store:
         raise SpecdistillError(f"recipe {recipe.source}: cache.store is empty; store at least one of "
                                f"hidden_last, hidden_aux, topk")
     return sorted(set(store))
-
-
-def resolve_aux_layers(recipe, num_hidden_layers: int) -> list[int]:
-    from specdistill.train.eagle3 import default_aux_layers
-
-    n = num_hidden_layers
-    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else default_aux_layers(n)
-    bad = [l for l in layers if not 0 <= l <= n]
-    if bad:
-        raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "
-                               f"indices run 0..{n} for a target with {n} layers")
-    return list(layers)
 
 
 def bytes_per_token(store: list[str], hidden: int, num_aux: int, k: int, dtype: torch.dtype) -> dict[str, int]:
@@ -158,7 +150,7 @@ def compute_shard(model, split_ds, indices: range, lengths: list[int], settings:
     for batch in plan_batches(range(len(indices)), local_lengths, settings["batch_tokens"]) if settings["store"] else []:
         ids, mask = pad_batch([input_ids[i] for i in batch], device)
         out = target_outputs(model, ids, mask, settings["store"], settings["aux_layers"], settings["topk"],
-                             CACHE_DTYPES[settings["dtype"]])
+                             DTYPES[settings["dtype"]])
         sizes = [local_lengths[i] for i in batch]
         for name, tensor in out.items():
             for i, part in zip(batch, tensor.cpu().split(sizes)):
@@ -186,12 +178,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def write_shard(path: Path, tensors: dict) -> dict:
@@ -235,11 +221,6 @@ def check_disk(path: Path, tokens: int, per_token: dict[str, int]) -> int:
     return need
 
 
-def load_manifest(path: Path) -> dict | None:
-    file = path / "manifest.json"
-    return json.loads(file.read_text()) if file.exists() else None
-
-
 def completed_shards(manifest: dict, split: str, cache_path: Path) -> list[dict]:
     """The manifest's finished shards of a split whose files are still there, whole."""
     kept = []
@@ -259,7 +240,6 @@ def select_rows(recipe, dd, summary: dict, corpus_path: Path):
     `specdistill cache ... corpus.max_rows=100` caches the sequences of the first 100 source rows
     without re-preparing; any other corpus setting that differs means the corpus is stale.
     """
-    from specdistill.data.prepare import corpus_settings, fingerprint
 
     made_with = summary.get("corpus_settings")
     if made_with is not None and summary.get("regenerated_from") is None:
@@ -299,8 +279,6 @@ def remembered_tokenizer_fingerprint(recipe, compute) -> str:
     """The target tokenizer's fingerprint without loading transformers when its files are unchanged: loading a
     tokenizer costs seconds of imports, most of a cache stage that only finds its shared cache. Remembered in
     <shared cache root>/tokenizer-fingerprints.json by a hash of the tokenizer files (local targets only)."""
-    from specdistill.layout import shared_cache_root
-    from specdistill.target import resolve_target
 
     where = Path(resolve_target(recipe.target))
     if not where.is_dir():
@@ -363,7 +341,6 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
     With shared_root, the cache goes to shared_root/<cache_key> instead (cache_path is ignored) and a
     complete one there is reused whatever run made it; manifest["_path"] says where it is.
     """
-    from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_target_config, load_tokenizer
 
     t0 = time.time()
     corpus_path, cache_path = Path(corpus_path), (Path(cache_path) if cache_path is not None else None)
@@ -394,12 +371,12 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
                                f"(fingerprint {corpus_summary['tokenizer']} vs {fingerprints['tokenizer']}); "
                                f"rerun `specdistill prepare`")
     per_token = bytes_per_token(store, cfg.hidden_size, len(aux_layers), recipe.cache.topk,
-                                CACHE_DTYPES[recipe.cache.dtype])
+                                DTYPES[recipe.cache.dtype])
     plans = {s: plan_shards(lengths[s], recipe.cache.shard_tokens) for s in SPLITS}
     if shared_root is not None:
         key = cache_key(fingerprints, store, aux_layers)
         cache_path = Path(shared_root) / key
-        manifest = load_manifest(cache_path)
+        manifest = read_manifest(cache_path)
         if manifest is not None and manifest.get("complete"):
             check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
             return {**manifest, "_path": str(cache_path), "_reused": True, "_seconds": round(time.time() - t0, 2)}
@@ -412,7 +389,7 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
 
 def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store, aux_layers,
            cfg, per_token, plans, model, t0) -> dict:
-    manifest = load_manifest(cache_path)
+    manifest = read_manifest(cache_path)
     if manifest is not None:
         check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
         if manifest.get("complete"):
@@ -436,7 +413,7 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
     done_tokens = sum(sh["tokens"] for s in SPLITS for sh in manifest["splits"][s]["shards"])
     cache_path.mkdir(parents=True, exist_ok=True)
     check_disk(cache_path, total_tokens - done_tokens, per_token)
-    write_json_atomic(cache_path / "manifest.json", manifest)
+    write_manifest(cache_path, manifest)
 
     if done_tokens:
         print(f"resuming {cache_path}: {done_tokens:,} of {total_tokens:,} tokens already cached", flush=True)
@@ -450,10 +427,10 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
             tensors = compute_shard(model, dd[s], plans[s][i], lengths[s], settings, bar)
             shards.append(write_shard(cache_path / s / shard_name(i), tensors))
             computed_tokens += shards[-1]["tokens"]
-            write_json_atomic(cache_path / "manifest.json", manifest)
+            write_manifest(cache_path, manifest)
     bar.close()
     manifest["complete"] = True
-    write_json_atomic(cache_path / "manifest.json", manifest)
+    write_manifest(cache_path, manifest)
     seconds = time.time() - t0
     compute_seconds = time.time() - compute_t0
     manifest["_run"] = {"tokens": total_tokens, "computed_tokens": computed_tokens, "seconds": round(seconds, 2),
@@ -476,7 +453,6 @@ def print_summary(manifest: dict, cache_path: Path) -> None:
 
 
 def load_model(recipe):
-    from specdistill.target import load_target
 
     return load_target(recipe.target, "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -492,8 +468,6 @@ def link_run_cache(link: Path, shared: Path) -> None:
 
 
 def run(recipe, args=None) -> dict:
-    from specdistill.data.regenerate import regenerated_corpus
-    from specdistill.layout import shared_cache_root
 
     source = corpus_dir(recipe.run_dir)
     link = cache_dir(recipe.run_dir)

@@ -6,14 +6,16 @@ process, which keeps the dataset safe to pass to DataLoader workers.
 """
 from __future__ import annotations
 
-import bisect
-import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch.utils.data import Dataset
 
+from specdistill.data.cache import target_outputs
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_manifest
+from specdistill.target import DTYPES, load_target
 
 PER_TOKEN = ("input_ids", "loss_mask", "hidden_last", "hidden_aux", "topk_logprobs", "topk_ids", "tail_mass")
 AS_LONG = ("input_ids", "loss_mask", "topk_ids")  # integer tensors come back as int64, ready for indexing
@@ -22,10 +24,9 @@ AS_LONG = ("input_ids", "loss_mask", "topk_ids")  # integer tensors come back as
 class CacheDataset(Dataset):
     def __init__(self, cache_dir, split: str = "train"):
         self.cache_dir = Path(cache_dir)
-        file = self.cache_dir / "manifest.json"
-        if not file.exists():
+        self.manifest = read_manifest(self.cache_dir)
+        if self.manifest is None:
             raise SpecdistillError(f"{self.cache_dir}: no cache manifest; run `specdistill cache --recipe ...` first")
-        self.manifest = json.loads(file.read_text())
         if not self.manifest.get("complete"):
             raise SpecdistillError(f"{self.cache_dir}: the cache is incomplete (interrupted?); rerun "
                                    f"`specdistill cache` to finish it")
@@ -36,9 +37,7 @@ class CacheDataset(Dataset):
         self.kinds = [k for k in PER_TOKEN if k in self._open(0).keys()] if self.files else []
         self.lengths: list[int] = []  # tokens per sequence, over all shards
         self._locate = []  # per sequence: (shard, first token)
-        self._first_seq = []  # index of each shard's first sequence
         for s, f in enumerate(self.files):
-            self._first_seq.append(len(self.lengths))
             lens = self._open(s).get_tensor("seq_lens").tolist()
             starts = [0]
             for n in lens[:-1]:
@@ -49,8 +48,6 @@ class CacheDataset(Dataset):
     def _open(self, s: int):
         handles = self.__dict__.setdefault("_handles", {})
         if s not in handles:
-            from safetensors import safe_open
-
             handles[s] = safe_open(str(self.files[s]), framework="pt")
         return handles[s]
 
@@ -74,9 +71,6 @@ class CacheDataset(Dataset):
             t = f.get_slice(k)[a:b]
             item[k] = t.long() if k in AS_LONG else t
         return item
-
-    def shard_of(self, i: int) -> int:
-        return bisect.bisect_right(self._first_seq, i) - 1
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -116,8 +110,6 @@ class OnlineDataset(CacheDataset):
         raise TypeError("an online cache computes with the target in this process; read it without worker processes")
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        from specdistill.data.cache import CACHE_DTYPES, target_outputs
-
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
@@ -128,7 +120,7 @@ class OnlineDataset(CacheDataset):
         device = next(self.target.parameters()).device
         ids = item["input_ids"][None].to(device)
         out = target_outputs(self.target, ids, torch.ones_like(ids), self.online["store"], self.online["aux_layers"],
-                             self.online["k"], CACHE_DTYPES[self.online["dtype"]])
+                             self.online["k"], DTYPES[self.online["dtype"]])
         for k, v in out.items():
             item[k] = v.long() if k in AS_LONG else v
         item["loss_mask"] = item["loss_mask"].long()
@@ -140,14 +132,11 @@ _TARGETS: dict = {}
 
 def open_cache(cache_dir, split: str, target_cfg=None, device="cpu") -> CacheDataset:
     """The cache at cache_dir: offline shards as they are, or an online one bound to the target (loaded once)."""
-    manifest = Path(cache_dir) / "manifest.json"
-    mode = json.loads(manifest.read_text()).get("mode", "offline") if manifest.exists() else "offline"
+    mode = (read_manifest(cache_dir) or {}).get("mode", "offline")
     if mode != "online":
         return CacheDataset(cache_dir, split)
     if target_cfg is None:
         raise SpecdistillError(f"{cache_dir}: an online cache (tokens only) needs the target to compute its features")
-    from specdistill.target import load_target
-
     key = (target_cfg.path, target_cfg.dtype, str(device))
     if key not in _TARGETS:
         _TARGETS.clear()

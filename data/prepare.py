@@ -21,7 +21,9 @@ from tqdm import tqdm
 from specdistill.data.corpus import read_corpus
 from specdistill.data.tokenize import encode_chats, encode_texts, has_chat_template
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_corpus_summary, write_corpus_summary
 from specdistill.layout import corpus_dir
+from specdistill.target import fingerprint_tokenizer, load_tokenizer
 
 SPLITS = ("train", "heldout")
 BATCH_ROWS = 256
@@ -117,7 +119,7 @@ def write_prepared(out_dir: Path, splits: dict[str, list[dict]], summary: dict) 
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_corpus_summary(tmp, summary)
     old = out_dir.with_name(out_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
@@ -131,9 +133,10 @@ def load_prepared(path: Path):
     from datasets import load_from_disk
 
     path = Path(path)
-    if not (path / "summary.json").exists():
+    summary = read_corpus_summary(path)
+    if summary is None:
         raise SpecdistillError(f"{path}: no prepared corpus; run `specdistill prepare --recipe ...` first")
-    return load_from_disk(str(path)), json.loads((path / "summary.json").read_text())
+    return load_from_disk(str(path)), summary
 
 
 def build_splits(seqs: list[dict], cfg) -> dict[str, list[dict]]:
@@ -167,7 +170,6 @@ def corpus_settings(cfg) -> dict:
 
 def prepare_corpus(recipe, out_dir: Path, tokenizer=None) -> dict:
     """Read, check, tokenise, split and save the recipe's corpus into out_dir; return the summary."""
-    from specdistill.target import fingerprint_tokenizer, load_tokenizer
 
     t0 = time.time()
     cfg = recipe.corpus

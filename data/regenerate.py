@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, split_stats, write_prepared
 from specdistill.data.tokenize import encode_chats, has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
+from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_tokenizer
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -100,7 +101,6 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str) 
 
 def regenerated_corpus(recipe, source: Path, out_dir: Path, model, tokenizer=None) -> Path:
     """Regenerate the assistant turns of the prepared corpus at `source` into `out_dir` (or reuse it)."""
-    from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_tokenizer
 
     tokenizer = tokenizer or load_tokenizer(recipe.target)
     if not has_chat_template(tokenizer):

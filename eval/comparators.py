@@ -21,13 +21,12 @@ def comparator_names(draft) -> list[str]:
 
 
 def assistant_of(draft):
-    """The draft as a transformers model that `generate(assistant_model=...)` accepts, else None."""
-    if draft is None or getattr(draft, "kind", None) in ("eagle", "eagle3"):
-        return None
-    from specdistill.eval.engine import DraftLM
-
-    model = draft.model if isinstance(draft, DraftLM) else draft  # the engine's wrapper or the model itself
-    return model if hasattr(model, "generate") else None
+    """The draft as a transformers model that `generate(assistant_model=...)` accepts (a draft LM, or the
+    engine's drafter of one), else None (an EAGLE head has no `generate`)."""
+    if hasattr(draft, "generate"):
+        return draft
+    inner = getattr(draft, "model", None)  # the engine's drafter of a draft LM
+    return inner if hasattr(inner, "generate") else None
 
 
 @torch.inference_mode()

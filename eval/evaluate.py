@@ -7,38 +7,30 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import platform
+import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specdistill import layout
+from specdistill import kinds, layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
+from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import forward_costs, make_runtime
+from specdistill.eval.tree import TreeDecoder
+from specdistill.formats import checkpoint_fingerprint, read_draft_config, read_metrics, write_eval
+from specdistill.target import load_target, load_tokenizer
 
-OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
-# what else the report reads from the held-out metrics: distribution labels and per-depth acceptance
-HELDOUT_EXTRA_KEYS = ("positions", "distribution", "labels", "vocab_coverage", "top1_at", "alpha_at", "positions_at",
-                      "simulated_tau", "simulated_tau_note")
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
 
 
 # ----------------------------------------------------------------------------- small pieces
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
 
 def cpu_name() -> str:
     try:
@@ -63,12 +55,11 @@ def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
         return found
     if which == "last":
         return found[-1:]
-    try:
-        step = int(which.removeprefix("step-"))
-    except ValueError:
-        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all' or 'last'") from None
+    step = layout.parse_step(which)
+    if step is None:
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all' or 'last'")
     for p in found:
-        if int(layout.STEP_DIR.match(p.name).group(1)) == step:
+        if layout.step_of(p) == step:
             return [p]
     raise SpecdistillError(f"--checkpoint {which}: no complete checkpoint {layout.step_dir(run_dir, step)}; "
                            f"have: {', '.join(p.name for p in found)}")
@@ -76,23 +67,13 @@ def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
 
 def heldout_metrics(step_dir: Path) -> dict | None:
     """The offline metrics training wrote for this checkpoint (metrics.json -> heldout)."""
-    path = step_dir / "metrics.json"
-    if not path.is_file():
+    saved = read_metrics(step_dir)
+    if saved is None:
         return None
-    metrics = json.loads(path.read_text())
-    held = metrics.get("heldout", metrics)
-    if not isinstance(held, dict) or not any(k in held for k in OFFLINE_KEYS):
+    held = saved.get("heldout", saved)
+    if not isinstance(held, dict) or not any(k in held for k in metrics.OFFLINE_KEYS):
         return None
-    return {k: held.get(k) for k in (*OFFLINE_KEYS, *HELDOUT_EXTRA_KEYS) if k in held}
-
-
-def expected_tokens_per_step(alpha_at: list[float], k: int) -> float:
-    """1 + sum_j prod_{i<j} alpha_at[i]: the chain's expected committed tokens per step."""
-    total, run = 1.0, 1.0
-    for i in range(k):
-        run *= alpha_at[i] if i < len(alpha_at) else 0.0
-        total += run
-    return total
+    return {k: held.get(k) for k in (*metrics.OFFLINE_KEYS, *metrics.HELDOUT_EXTRA_KEYS) if k in held}
 
 
 def best_k(speedup_by_k: dict[str, float]) -> int:
@@ -104,10 +85,6 @@ def predicted_speedup(tau: float, k: int, d: float, v: dict[str, float]) -> floa
     """tau / (K d + v(K+1)): the per-step speedup the measured costs predict (docs/DESIGN.md, Costs)."""
     vk = v.get(str(k + 1))
     return tau / (k * d + vk) if vk else None
-
-
-def leviathan_tau(alpha: float, k: int) -> float:
-    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 # ----------------------------------------------------------------------------- offline on the prompts
@@ -122,49 +99,33 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     the T>0 one (predicted alpha). EAGLE heads read the target's real features (position t: token t+1 and
     f[t]), one step ahead, exactly as in training.
     """
-    kind = getattr(draft, "kind", None)
+    draft_kind = kinds.kind_of(draft)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
     positions = 0
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
         seq = torch.tensor([prompt + cont])
-        out = target(seq, output_hidden_states=kind in ("eagle", "eagle3"))
-        p_logits = out.logits[0]  # row j predicts token j+1
-        if kind in ("eagle", "eagle3"):
-            q_logits = _eagle_logits(draft, kind, seq, out.hidden_states, p_logits)
-        else:
-            q_logits = draft(seq).logits[0]
+        p_logits, q_logits = draft_kind.prompt_logits(draft, target, seq)  # row j predicts token j+1
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
         log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
         log_q = torch.log_softmax(q_logits[rows].float() / temperature, -1)
-        sums["fkl"] += (log_p.exp() * (log_p - log_q)).sum(-1).sum().item()
-        sums["tvd"] += 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1).sum().item()
+        per = metrics.divergences(log_p, log_q, ("fkl", "tvd"))
+        sums["fkl"] += per["fkl"].sum().item()
+        sums["tvd"] += per["tvd"].sum().item()
         sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
         positions += log_p.shape[0]
     if positions == 0:
         return {"positions": 0}
     out = {k: v / positions for k, v in sums.items()}
     out["predicted_alpha"] = 1.0 - out["tvd"]
-    if kind == "eagle3":  # q is zero outside the reduced draft vocabulary: KL(p||q) is infinite there
+    out["distribution"] = "full vocabulary"
+    if draft_kind.PROMPTS_FKL_NOTE:  # q is zero outside a reduced draft vocabulary: KL(p||q) is infinite there
         out["fkl"] = None
-        out["note"] = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
-    out["distribution"] = ("full vocabulary (q zero outside the EAGLE-3 draft vocabulary)" if kind == "eagle3"
-                           else "full vocabulary")
+        out["note"] = draft_kind.PROMPTS_FKL_NOTE
+        out["distribution"] = f"full vocabulary (q zero outside the {draft_kind.LABEL} draft vocabulary)"
     return {**out, "positions": positions, "temperature": temperature,
             "continuations": continuations_label or "the target's own greedy outputs (baseline, T=0)"}
-
-
-def _eagle_logits(draft, kind, seq, hidden_states, p_logits):
-    """Head rows t read (token t+1, features at t) and predict token t+2 = target row t+1; row 0 has none."""
-    t = seq.shape[1]
-    if kind == "eagle":
-        q = draft.logits(draft(seq[:, 1:], hidden_states[-1][:, :-1])[0])
-    else:
-        state = draft.project(draft.target_features(hidden_states, draft.aux_layers)[:, :-1])
-        qd = draft.logits(draft(seq[:, 1:], state, torch.arange(t - 1)[None])[0])
-        q = torch.full((t - 1, p_logits.shape[-1]), float("-inf"), dtype=qd.dtype).index_copy_(1, draft.draft_ids, qd)
-    return torch.cat([torch.zeros_like(p_logits[:1]), q.to(p_logits.dtype)])
 
 
 # ----------------------------------------------------------------------------- one checkpoint
@@ -187,12 +148,24 @@ def warm_up(decoders, prompt_ids, temperature) -> None:
             d.decode(prompt_ids, WARMUP_TOKENS, temperature, _generator(0))
 
 
-def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperature, comparator_names, draft,
-                         eos, pad_id, label="", tree=None):
+@dataclass
+class Decoders:
+    """Everything that decodes the prompts for one checkpoint, all in one runtime."""
+    target: object  # the transformers model (the comparators decode with it)
+    draft: object  # the loaded head or draft LM (assisted generation reads it)
+    chain: SpeculativeDecoder
+    baseline: SpeculativeDecoder
+    tree: TreeDecoder | None
+    eos: set[int]
+    pad_id: int
+
+
+def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
     """Decode every prompt: baseline, K, the K sweep, (T=0) the tree and the comparators, interleaved per prompt.
 
     A warm-up decode of each decoder runs first; within a prompt the baseline runs first on even prompts and
     after the speculative runs on odd ones, so whatever a run leaves behind (caches, clocks) favours neither."""
+    baseline, engine, tree = decoders.baseline, decoders.chain, decoders.tree
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
@@ -210,8 +183,8 @@ def evaluate_temperature(target, engine, baseline, prompts, eval_cfg, temperatur
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
             tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for name in comparator_names:
-            tokens, seconds = comparators.run_comparator(name, target, prompt.ids, eval_cfg.max_new_tokens, eos,
-                                                         pad_id, draft=draft, k=eval_cfg.k)
+            tokens, seconds = comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
+                                                         decoders.eos, decoders.pad_id, draft=decoders.draft, k=eval_cfg.k)
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
             comp[name]["outputs"].append(tokens)
@@ -244,7 +217,7 @@ def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
     ids = [t for p in prompts for t in p.ids] or [0]
     sizes = list(range(1, 10))
     if tree is not None:
-        sizes.append(tree.shape.total_tokens + 1 if tree.shape.kind == "dynamic" else len(tree.shape.paths) + 1)
+        sizes.append(tree.shape.verified_tokens)
     while len(ids) < 128 + max(sizes):
         ids = ids + ids
     ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
@@ -261,13 +234,13 @@ def cost_terms(spec: dict, tau_by_k: dict, costs: dict | None) -> dict:
                                                for k, tau in tau_by_k.items()}}
 
 
-def summarise_tree(tree_cfg: dict, base_runs, tree_runs) -> dict:
+def summarise_tree(tree_cfg, base_runs, tree_runs) -> dict:
     """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
     t, base = merge_counts(tree_runs), merge_counts(base_runs)
-    return {"shape": tree_cfg, "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
+    return {"shape": tree_cfg.model_dump(exclude_none=True), "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
             "speedup": _speedup(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
             "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
-            "nodes_per_step": sum(r.tree_nodes for r in tree_runs) / max(1, t["steps"]),
+            "nodes_per_step": sum(r.nodes for r in tree_runs) / max(1, t["steps"]),
             "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
 
 
@@ -280,8 +253,6 @@ def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed:
     """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
 
     Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
-    import random
-
     per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s)
            for s, b in zip(spec_runs, base_runs)]
     n = len(per)
@@ -338,26 +309,13 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, co
         "best_k": k_best,
         "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} "
                        "(eval.k and eval.k_sweep, same prompts, same run)",
-        "predicted_tau_leviathan": leviathan_tau(spec["alpha"], main_k),
+        "predicted_tau_leviathan": metrics.leviathan_tau(spec["alpha"], main_k),
         **bootstrap_ci95(base_runs, spec_runs[main_k]),
         "ci_method": CI_NOTE,
         "tokens": spec["tokens"],
         "steps": spec["steps"],
         "per_category": per_category,
     }
-
-
-def checkpoint_fingerprint(step_dir: Path) -> str:
-    """sha256 (16 hex) of what defines a checkpoint: its weights, its config and its offline metrics."""
-    h = hashlib.sha256()
-    for name in ("draft.safetensors", "draft_config.json", "metrics.json"):
-        f = Path(step_dir) / name
-        h.update(name.encode())
-        if f.is_file():
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()[:16]
 
 
 def eval_settings(recipe) -> dict:
@@ -394,24 +352,23 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     eos = eos_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     runtime = runtime or make_runtime(target, cfg.runtime)  # casts the target (and below the draft) to its dtype
-    engine = SpeculativeDecoder(runtime, draft, k=cfg.k, eos_ids=eos)
-    baseline = SpeculativeDecoder(runtime, None, eos_ids=eos)
-    wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
     tree = None
-    if cfg.tree and draft_kind in ("eagle", "eagle3"):
-        from specdistill.eval.tree import TreeDecoder
-
-        tree = TreeDecoder(runtime, draft, dict(cfg.tree), eos_ids=eos)
+    if cfg.tree and kinds.kind_of(draft).DRAFTS_TREES:
+        tree = TreeDecoder(runtime, draft, cfg.tree, eos_ids=eos)
+    decoders = Decoders(target, draft, SpeculativeDecoder(runtime, draft, k=cfg.k, eos_ids=eos),
+                        SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
+    baseline = decoders.baseline
+    wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
 
     costs = measure_costs(runtime, prompts, cfg, tree)
     results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
-        base_runs, spec_runs, comp, tree_runs = evaluate_temperature(
-            target, engine, baseline, prompts, cfg, temperature, names, draft, eos, pad_id, label=checkpoint, tree=tree)
+        base_runs, spec_runs, comp, tree_runs = evaluate_temperature(decoders, prompts, cfg, temperature, names,
+                                                                     label=checkpoint)
         result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
         if tree_runs:
-            result["tree"] = summarise_tree(dict(cfg.tree), base_runs, tree_runs)
+            result["tree"] = summarise_tree(cfg.tree, base_runs, tree_runs)
         if temperature == 0:  # `lossless` stays strict; beside it, each divergence and how close a tie it was
             labelled = {f"chain K={k}": runs for k, runs in spec_runs.items()}
             if tree_runs:
@@ -491,10 +448,6 @@ def summary_line(report: dict, r: dict) -> str:
 # ----------------------------------------------------------------------------- the stage
 
 def run(recipe, args) -> list[Path]:
-    from specdistill.target import load_target, load_tokenizer
-    from specdistill.train.drafts import draft_kind, load_draft
-    from specdistill.eval.prompts import load_prompts
-
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = select_checkpoints(recipe.run_dir, which)
     target = load_target(recipe.target)
@@ -508,16 +461,15 @@ def run(recipe, args) -> list[Path]:
         reference = transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, pad_id)
     written = []
     for step_dir in steps:
-        draft = load_draft(step_dir, target)
-        step = int(layout.STEP_DIR.match(step_dir.name).group(1))
-        kind = draft_kind(step_dir)
-        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, step, kind,
-                                     heldout_metrics(step_dir),
-                                     with_comparators=step_dir == steps[-1] or kind == "draft_lm",
+        draft = kinds.load_draft(step_dir, target)
+        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, layout.step_of(step_dir),
+                                     read_draft_config(step_dir)["kind"], heldout_metrics(step_dir),
+                                     # assisted generation is the one comparator that reads the draft
+                                     with_comparators=step_dir == steps[-1] or comparators.assistant_of(draft) is not None,
                                      reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
-        write_json_atomic(out, report)
+        write_eval(out, report)
         for r in report["results"]:
             print(summary_line(report, r), flush=True)
             if "tree" in r:

@@ -18,8 +18,10 @@ from pathlib import Path
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
+from specdistill.eval.evaluate import eval_settings
+from specdistill.formats import checkpoint_fingerprint, read_eval
+from specdistill.metrics import OFFLINE_KEYS, leviathan_tau, simulated_tau
 
-OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
 COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 DASH = "—"
 
@@ -35,23 +37,6 @@ def load_evals(run_dir: Path) -> list[dict]:
     for e in evals:
         e["_run"] = run_dir.name
     return sorted(evals, key=lambda e: (e["step"] is not None, e["step"] or 0, e["checkpoint"]))
-
-
-def read_eval(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
-    for key in ("checkpoint", "step", "results"):
-        if key not in data:
-            raise SpecdistillError(f"{path}: missing key '{key}'")
-    if not isinstance(data["results"], list) or not data["results"]:
-        raise SpecdistillError(f"{path}: key 'results' must be a non-empty list")
-    for i, r in enumerate(data["results"]):
-        if not isinstance(r, dict) or "temperature" not in r:
-            raise SpecdistillError(f"{path}: results[{i}] has no 'temperature'")
-    data["_file"] = str(path)
-    return data
 
 
 def result_at(e: dict, temperature: float) -> dict:
@@ -124,12 +109,7 @@ def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
     per_depth = held.get("top1_at" if temperature == 0 else "alpha_at")
     if not per_depth:
         return None
-    k = int(k if k is not None else e.get("k") or len(per_depth))
-    total, run = 1.0, 1.0
-    for j in range(k):
-        run *= per_depth[min(j, len(per_depth) - 1)]
-        total += run
-    return total
+    return simulated_tau(per_depth, int(k if k is not None else e.get("k") or len(per_depth)))
 
 
 HEADLINE_RULES = {
@@ -166,8 +146,6 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
 
     A result is the measurement of one checkpoint under one set of eval settings: one evaluated before a
     retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one."""
-    from specdistill.eval.evaluate import checkpoint_fingerprint
-
     for e in evals:
         reasons = []
         step_dir = run_dir / str(e.get("checkpoint"))
@@ -189,13 +167,6 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
                     reasons.append("eval settings differ from the recipe's: " + ", ".join(
                         f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
         e["_stale"] = reasons
-
-
-def leviathan_tau(alpha: float, k: int) -> float:
-    """Expected tokens per step for i.i.d. acceptance alpha and a chain of K drafted tokens."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 # ------------------------------------------------------------------------------------- provenance
@@ -574,8 +545,6 @@ def run(recipe, args) -> None:
         if not (root / name).is_dir():
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
     runs = {name: load_evals(root / name) for name in names}
-    from specdistill.eval.evaluate import eval_settings
-
     for name in names:  # the recipe's own eval settings apply to its own run only
         check_freshness(runs[name], root / name, eval_settings(recipe) if name == recipe.run_name else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"

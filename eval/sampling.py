@@ -32,19 +32,6 @@ def accept_mask(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniforms: to
     return uniforms * q_of_draft < p_of_draft
 
 
-def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                       generator: torch.Generator | None = None, residual_fn=residual):
-    """One draft position, batched: p, q [B, V], draft [B] -> (token [B], accepted [B] bool).
-
-    `residual_fn` is a parameter only so the tests can show that a wrong rule fails them.
-    """
-    rows = torch.arange(draft.shape[0])
-    u = torch.rand(draft.shape, generator=generator)
-    accepted = accept_mask(p[rows, draft], q[rows, draft], u)
-    replacement = sample(residual_fn(p, q), generator)
-    return torch.where(accepted, draft, replacement), accepted
-
-
 def verify_chain(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
                  generator: torch.Generator | None = None) -> tuple[int, int]:
     """A chain of K drafted tokens: p [K+1, V] (target), q [K, V] (draft), draft [K].
@@ -70,3 +57,18 @@ def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> tuple[int
     k = draft.shape[0]
     a = int((best[:k] == draft).cumprod(0).sum()) if k else 0
     return a, int(best[a])
+
+
+def pick(logits: torch.Tensor, temperature: float, generator=None):
+    """A drafter's next token: greedy at T=0 (no probabilities needed), else a sample and its distribution q."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = probs_from_logits(logits, temperature)
+    return sample(q, generator), q
+
+
+def stack_draws(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]):
+    """A drafter's proposal: tokens [k] and their distributions [k, V] (None at T=0)."""
+    ids = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)
+    q = torch.stack(qs) if qs and qs[0] is not None else None
+    return ids, q

@@ -39,21 +39,27 @@ walk went on to depth i+1. draft_forwards counts head forwards (one per depth, l
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from pydantic import TypeAdapter, ValidationError
 
+from specdistill import kinds
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import SLACK, DecodeResult, SpeculativeDecoder, Target, as_runtime, cut_at_eos, make_draft
-from specdistill.eval.runtime import StaticRuntime, additive, crop_cache
+from specdistill.eval.engine import (DecodeResult, SpeculativeDecoder, Target, Verified, as_runtime, decode_loop,
+                                     make_drafter)
+from specdistill.eval.runtime import StaticRuntime, additive, crop_cache, new_cache
+from specdistill.recipe import DynamicTree, TreeConfig
 
 
 @dataclass
 class TreeDecodeResult(DecodeResult):
     tree_fallback: bool = False  # True: T > 0, decoded by the exact chain engine with K = tree depth
-    tree_nodes: int = 0  # drafted nodes the target verified, all steps together
+
+    @property
+    def tree_nodes(self) -> int:
+        """Drafted nodes the target verified, all steps together."""
+        return self.nodes
 
 
 # ----------------------------------------------------------------------------- tree shapes
@@ -63,47 +69,31 @@ class TreeShape:
     kind: str  # "static" or "dynamic"
     depth: int
     top_k: int = 1
-    total_tokens: int = 0  # dynamic only
+    total_tokens: int = 0  # dynamic only: how many of the drafted nodes are verified
     paths: tuple[tuple[int, ...], ...] = ()  # static only
 
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens one verification forward runs: the root and the verified nodes."""
+        return (self.total_tokens or len(self.paths)) + 1
 
-def parse_tree(tree: dict) -> TreeShape:
-    """Validate the recipe's `eval.tree` dict (see the module docstring)."""
-    if not isinstance(tree, dict):
-        raise SpecdistillError(f"eval.tree: expected a mapping, got {tree!r}")
-    kind = tree.get("kind", "dynamic" if "total_tokens" in tree else "static")
-    allowed = {"static": {"kind", "depth", "top_k", "paths"}, "dynamic": {"kind", "depth", "top_k", "total_tokens"}}
-    if kind not in allowed:
-        raise SpecdistillError(f"eval.tree.kind: {kind!r} is not 'static' or 'dynamic'")
-    unknown = sorted(set(tree) - allowed[kind])
-    if unknown:
-        raise SpecdistillError(f"eval.tree: unknown key(s) {unknown} for a {kind} tree")
 
-    def positive(key):
-        value = tree.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SpecdistillError(f"eval.tree.{key}: expected an integer >= 1, got {value!r}")
-        return value
+TREE_SCHEMA = TypeAdapter(TreeConfig)
 
-    if kind == "dynamic":
-        return TreeShape("dynamic", positive("depth"), positive("top_k"), positive("total_tokens"))
-    if "paths" in tree:
-        if "depth" in tree or "top_k" in tree:
-            raise SpecdistillError("eval.tree: give either paths or depth/top_k for a static tree, not both")
-        paths = tree["paths"]
-        ok = isinstance(paths, (list, tuple)) and paths and all(
-            isinstance(p, (list, tuple)) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths)
-        if not ok:
-            raise SpecdistillError("eval.tree.paths: expected a non-empty list of non-empty lists of ranks >= 0")
-        paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
-        have = set(paths)
-        for p in paths:
-            if len(p) > 1 and p[:-1] not in have:
-                raise SpecdistillError(f"eval.tree.paths: {list(p)} has no parent path {list(p[:-1])}")
-        return TreeShape("static", max(len(p) for p in paths), paths=tuple(paths))
-    depth, k = positive("depth"), positive("top_k")
-    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(k), repeat=d)]
-    return TreeShape("static", depth, k, paths=tuple(paths))
+
+def parse_tree(tree) -> TreeShape:
+    """The recipe's `eval.tree` (a dict or an already validated StaticTree / DynamicTree) as a shape."""
+    try:
+        tree = TREE_SCHEMA.validate_python(tree)
+    except ValidationError as e:
+        raise SpecdistillError("eval.tree: " + "; ".join(err["msg"] for err in e.errors())) from None
+    if isinstance(tree, DynamicTree):
+        return TreeShape(tree.kind, tree.depth, tree.top_k, tree.total_tokens)
+    if tree.paths is not None:
+        paths = sorted({tuple(p) for p in tree.paths}, key=lambda p: (len(p), p))
+        return TreeShape(tree.kind, max(len(p) for p in paths), paths=tuple(paths))
+    paths = [p for d in range(1, tree.depth + 1) for p in itertools.product(range(tree.top_k), repeat=d)]
+    return TreeShape(tree.kind, tree.depth, tree.top_k, paths=tuple(paths))
 
 
 # ----------------------------------------------------------------------------- verification
@@ -137,16 +127,16 @@ class DraftTree:
 class TreeDrafter:
     """The head, its own KV cache, and the tree built from it each step."""
 
-    def __init__(self, draft):
-        """draft: the engine's EagleDraft / Eagle3Draft (its head, feature projection and id mapping)."""
-        self.chain = draft
-        self.head = draft.head
-        self.float_mask = self.head.kind == "eagle"  # EAGLE-1's body is a transformers model; EAGLE-3 takes bool
+    def __init__(self, drafter):
+        """drafter: an EAGLE kind's chain drafter (its head, feature projection and id mapping)."""
+        self.chain = drafter
+        self.head = drafter.head
+        self.float_mask = drafter.additive_tree_mask
         self.dtype = next(self.head.parameters()).dtype
         self.cache = None
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.head.config)
+        self.cache = new_cache(self.head.config)
 
     def _step(self, ids, state, pos, mask):
         if mask is not None and self.float_mask:
@@ -204,10 +194,10 @@ class TreeDrafter:
             return self._log_probs(out)
 
         root_lp = self._log_probs(states[-1])[None]
-        if shape.kind == "static":
-            self._static(shape, depth, root_lp, add_children, expand)
-        else:
+        if shape.total_tokens:
             self._dynamic(shape, depth, tree, root_lp, add_children, expand)
+        else:
+            self._static(shape, depth, root_lp, add_children, expand)
         crop_cache(self.cache, n - 1)  # drafted entries are never reused: next step runs real features
         return tree
 
@@ -244,14 +234,47 @@ def _select(tree: DraftTree, keep: list[int]) -> DraftTree:
                      [tree.depths[i] for i in keep], [tree.scores[i] for i in keep], tree.forwards)
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- the stepper
+
+class TreeStepper:
+    """One step of the decode loop (eval/engine.py `decode_loop`): draft a tree, verify it in one target
+    forward with a tree mask, walk the greedy path."""
+
+    def __init__(self, drafter, shape: TreeShape):
+        self.drafter = TreeDrafter(drafter)
+        self.shape = shape
+
+    def reset(self, capacity: int) -> None:
+        self.drafter.reset()
+
+    def draft(self, seq, n, new_features, depth, temperature, generator) -> DraftTree:
+        tree = self.drafter.draft(seq, n, new_features, self.shape, depth)
+        if self.shape.total_tokens:  # dynamic: rerank, the best total_tokens nodes overall
+            order = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], i))
+            tree = _select(tree, order[:self.shape.total_tokens])
+        return tree
+
+    def verify(self, target, seq, n, tree: DraftTree, temperature, generator) -> Verified:
+        tokens = [int(seq[n - 1])] + tree.tokens  # node 0 = the pending token, the root
+        parents = [-1] + [p + 1 for p in tree.parents]
+        depths = [0] + tree.depths
+        logits, features = target.forward(torch.tensor(tokens), n - 1, parents=parents, depths=depths)
+        best = logits.argmax(-1).tolist()
+        path = greedy_walk(best, tokens, parents)
+        a = len(path) - 1
+        judged = path[a] in set(parents[1:])  # the walk's last node had children the target rejected
+        return Verified([tokens[i] for i in path[1:]] + [best[path[-1]]], path, features,
+                        drafted=max(tree.depths, default=0), tested=a + judged, accepted=a,
+                        draft_forwards=tree.forwards, nodes=len(tree.tokens))
+
 
 class TreeDecoder:
-    """Greedy tree speculative decoding of `target_model` with an EAGLE / EAGLE-3 head."""
+    """Greedy tree speculative decoding of `target` with an EAGLE / EAGLE-3 head."""
 
-    def __init__(self, target, head, tree: dict, eos_ids=()):
-        """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype)."""
-        if getattr(head, "kind", None) not in ("eagle", "eagle3"):
+    def __init__(self, target, head, tree, eos_ids=()):
+        """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype);
+        tree: the recipe's `eval.tree`."""
+        if not kinds.kind_of(head).DRAFTS_TREES:
             raise SpecdistillError(f"tree decoding needs an EAGLE head (kind 'eagle' or 'eagle3'), got "
                                    f"{type(head).__name__}")
         self.shape = parse_tree(tree)
@@ -261,81 +284,18 @@ class TreeDecoder:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.runtime = as_runtime(target)
         head.to(self.runtime.dtype)
-        self.chain_draft = make_draft(head, self.runtime.model,  # checks the vocabulary; also the T > 0 fallback
-                                      static=isinstance(self.runtime, StaticRuntime))
-        self.target = Target(self.runtime, self.chain_draft.features)
-        self.drafter = TreeDrafter(self.chain_draft)
+        self.chain_drafter = make_drafter(head, self.runtime.model,  # checks the vocabulary; also the T > 0 fallback
+                                          static=isinstance(self.runtime, StaticRuntime))
+        self.target = Target(self.runtime, self.chain_drafter.features)
+        self.stepper = TreeStepper(self.chain_drafter, self.shape)
         self.eos_ids = set(eos_ids)
-
-    def draft_tree(self, seq, n, new_features, depth) -> DraftTree:
-        tree = self.drafter.draft(seq, n, new_features, self.shape, depth)
-        if self.shape.kind == "dynamic":  # rerank: the best total_tokens nodes overall
-            order = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], i))
-            tree = _select(tree, order[:self.shape.total_tokens])
-        return tree
 
     @torch.inference_mode()
     def decode(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                generator: torch.Generator | None = None) -> TreeDecodeResult:
         if temperature > 0:  # trees are greedy only: the exact chain, same head, K = tree depth
-            chain = SpeculativeDecoder(self.runtime, self.chain_draft, k=self.shape.depth, eos_ids=self.eos_ids)
+            chain = SpeculativeDecoder(self.runtime, self.chain_drafter, k=self.shape.depth, eos_ids=self.eos_ids)
             res = chain.decode(prompt_ids, max_new_tokens, temperature, generator)
             return TreeDecodeResult(**vars(res), tree_fallback=True)
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-        p_len = prompt.numel()
-        if p_len == 0:
-            raise SpecdistillError("decode: empty prompt")
-        depth = self.shape.depth
-        seq = torch.empty(p_len + max_new_tokens + depth + 1, dtype=torch.long)
-        seq[:p_len] = prompt
-        n = p_len
-        res = TreeDecodeResult(tokens=[], drafted=[0] * depth, tested=[0] * depth, accepted=[0] * depth)
-        target = self.target
-
-        start = time.perf_counter()
-        target.reset(p_len + max_new_tokens + SLACK)
-        self.drafter.reset()
-        new_features = None
-        if p_len > 1:
-            _, new_features = target.forward(seq[:p_len - 1], 0, logits_to_keep=1)
-        res.prefill_s = time.perf_counter() - start
-
-        while n - p_len < max_new_tokens:
-            room = max_new_tokens - (n - p_len) - 1  # the target adds one token itself
-            t0 = time.perf_counter()
-            tree = self.draft_tree(seq, n, new_features, min(depth, room))
-            t1 = time.perf_counter()
-            tokens = [int(seq[n - 1])] + tree.tokens  # node 0 = the pending token, the root
-            parents = [-1] + [p + 1 for p in tree.parents]
-            depths = [0] + tree.depths
-            logits, features = target.forward(torch.tensor(tokens), n - 1, parents=parents, depths=depths)
-            best = logits.argmax(-1).tolist()
-            t2 = time.perf_counter()
-            path = greedy_walk(best, tokens, parents)
-            a = len(path) - 1
-
-            new, hit_eos = cut_at_eos([tokens[i] for i in path[1:]] + [best[path[-1]]], self.eos_ids)
-            seq[n:n + len(new)] = torch.tensor(new)
-            target.runtime.keep_path(n - 1, [n - 1 + i for i in path[:len(new)]])
-            n += len(new)
-            new_features = features[path]
-
-            res.steps += 1
-            res.draft_forwards += tree.forwards
-            res.tree_nodes += len(tree.tokens)
-            res.draft_s += t1 - t0
-            res.verify_s += t2 - t1
-            has_children = {p for p in parents[1:]}
-            for d in set(tree.depths):
-                res.drafted[d - 1] += 1
-            for d in range(a + 1):
-                if d < depth and path[d] in has_children:
-                    res.tested[d] += 1
-            for d in range(a):
-                res.accepted[d] += 1
-            if hit_eos:
-                res.stop = "eos"
-                break
-        res.total_s = time.perf_counter() - start
-        res.tokens = seq[p_len:n].tolist()
-        return res
+        return decode_loop(self.target, self.stepper, prompt_ids, max_new_tokens, self.shape.depth, self.eos_ids,
+                           result=TreeDecodeResult(tokens=[]))

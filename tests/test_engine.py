@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.errors import SpecdistillError
 from specdistill.eval import sampling
-from specdistill.eval.engine import EagleDraft, SpeculativeDecoder, eos_token_ids
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
+from specdistill.kinds.eagle import EagleDrafter
 from specdistill.train.eagle import EagleHead
 
 
@@ -167,7 +168,7 @@ def test_eagle_drafts_equal_a_from_scratch_head_run(target):
     head = eagle_for(target)
     seen = []
 
-    class Recorder(EagleDraft):
+    class Recorder(EagleDrafter):
         def propose(self, seq, n, new_features, k, temperature, generator):
             ids, q = super().propose(seq, n, new_features, k, temperature, generator)
             seen.append((seq[:n].clone(), ids.clone()))
@@ -196,7 +197,7 @@ def test_tokenizer_fingerprint_mismatch_stops(target, smollm_tokenizer, tmp_path
 
     other = AutoTokenizer.from_pretrained(smollm_tokenizer.name_or_path)
     other.add_tokens(["<not-in-the-target>"])
-    from specdistill.eval.engine import check_same_vocab
+    from specdistill.target import check_same_vocab
 
     with pytest.raises(SpecdistillError, match="tokenizer fingerprint"):
         check_same_vocab(target, target, smollm_tokenizer, other)

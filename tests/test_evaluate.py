@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdistill import layout
+from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import evaluate
 from specdistill.eval.prompts import load_prompts
+from specdistill.formats import write_checkpoint
 from specdistill.recipe import load_recipe
 from specdistill.target import load_target, load_tokenizer
 from specdistill.train.eagle import EagleHead
@@ -52,15 +53,11 @@ def write_eagle_checkpoint(recipe, target, step: int):
     torch.manual_seed(step)
     head = EagleHead(target.config)
     d = layout.step_dir(recipe.run_dir, step)
-    d.mkdir(parents=True)
-    save_file(head.own_state_dict(), d / "draft.safetensors")
-    (d / "draft_config.json").write_text(json.dumps({
+    write_checkpoint(d, head.own_state_dict(), {
         "kind": "eagle", "config": json.loads(head.config.to_json_string()),
-        "target": recipe.target.model_dump(mode="json"), "step": step}))
-    (d / "metrics.json").write_text(json.dumps({"step": step, "heldout": {
-        "fkl": 3.0, "tvd": 0.8, "predicted_alpha": 0.2, "top1": 0.1, "positions": 100, "top1_at": [0.1, 0.05, 0.02],
-        "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}}}))
-    (d / "COMPLETE").write_text(f"{step}\n")
+        "target": recipe.target.model_dump(mode="json"), "step": step}, {"step": step, "heldout": {
+            "fkl": 3.0, "tvd": 0.8, "predicted_alpha": 0.2, "top1": 0.1, "positions": 100, "top1_at": [0.1, 0.05, 0.02],
+            "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}}})
     return d
 
 
@@ -165,8 +162,8 @@ def test_mtbench_prompts_first_turn_and_category(smollm_tokenizer):
 
 
 def test_leviathan_and_best_k():
-    assert evaluate.leviathan_tau(0.5, 3) == pytest.approx(1.875)
-    assert evaluate.leviathan_tau(1.0, 3) == 4.0
+    assert metrics.leviathan_tau(0.5, 3) == pytest.approx(1.875)
+    assert metrics.leviathan_tau(1.0, 3) == 4.0
     # best K = the highest measured speedup; a tie goes to the shorter chain
     assert evaluate.best_k({"2": 1.10, "3": 1.21, "4": 1.05}) == 3
     assert evaluate.best_k({"4": 0.9, "2": 0.9}) == 2

@@ -13,6 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from specdistill.formats import write_checkpoint
+from specdistill.kinds import draft_lm, load_draft
+from tests.helpers import load_vllm_eagle
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import load_recipe
@@ -70,12 +73,9 @@ eval: {{k: 3}}
 
 def finish_checkpoint(recipe, step: int, kind: str, config: dict, state: dict) -> "layout.Path":
     d = layout.step_dir(recipe.run_dir, step)
-    d.mkdir(parents=True)
-    save_file(state, d / "draft.safetensors")
     target_section = {**recipe.target.model_dump(), "fingerprint": fingerprint_target(recipe.target)}
-    (d / "draft_config.json").write_text(json.dumps({"kind": kind, "config": config, "target": target_section,
-                                                     "step": step}))
-    (d / "COMPLETE").write_text("")
+    write_checkpoint(d, state, {"kind": kind, "config": config, "target": target_section, "step": step},
+                     {"step": step})
     return d
 
 
@@ -93,8 +93,6 @@ def make_eagle_checkpoint(recipe, target_config, step=1, seed=0, edit=None):
 
 
 def reload_checkpoint_head(step_dir, target):
-    from specdistill.train.drafts import load_draft
-
     return load_draft(step_dir, target)  # the training side's own reader of a checkpoint
 
 
@@ -157,7 +155,7 @@ def test_vllm_eagle_round_trip_decodes_identically(setup):
     step_dir = make_eagle_checkpoint(recipe, target.config, seed=3)
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
     before = reload_checkpoint_head(step_dir, target)
-    after = export.load_vllm_eagle(out, target)
+    after = load_vllm_eagle(out, target)
 
     torch.manual_seed(0)
     ids = torch.randint(3, V, (1, 12))
@@ -172,8 +170,8 @@ def test_vllm_eagle_round_trip_decodes_identically(setup):
     # the round trip can fail: another head's export decodes differently
     other = export.export_checkpoint(recipe, make_eagle_checkpoint(recipe, target.config, step=2, seed=4), "vllm-eagle")
     with torch.no_grad():
-        assert not torch.equal(logits_before, export.load_vllm_eagle(other, target).logits(
-            export.load_vllm_eagle(other, target)(ids[:, 1:], feats[:, :-1])))
+        assert not torch.equal(logits_before, load_vllm_eagle(other, target).logits(
+            load_vllm_eagle(other, target)(ids[:, 1:], feats[:, :-1])))
 
 
 def test_readme_has_serve_command_target_and_measurements(setup):
@@ -207,7 +205,7 @@ def test_wrong_kind_and_eagle3_formats_stop_clearly(setup):
     with pytest.raises(SpecdistillError, match="'eagle' draft.*--format vllm-eagle"):
         export.export_checkpoint(recipe, step_dir, "hf")
     for fmt in ("vllm-eagle3", "speculators"):
-        with pytest.raises(SpecdistillError, match="issue 6"):
+        with pytest.raises(SpecdistillError, match="exports 'eagle3' drafts.*'eagle' draft.*--format vllm-eagle"):
             export.export_checkpoint(recipe, step_dir, fmt)
     with pytest.raises(SpecdistillError, match="expected one of"):
         export.export_checkpoint(recipe, step_dir, "onnx")
@@ -296,21 +294,16 @@ def test_hf_export_refuses_another_vocabulary(setup):
 
 
 def test_hf_export_of_a_trained_style_draft_lm(setup):
-    """The checkpoint exactly as training writes it (train/draft_lm.py), exported and reloaded."""
+    """The checkpoint exactly as training writes it (specdistill/kinds/draft_lm.py), exported and reloaded."""
     from transformers import AutoModelForCausalLM
-
-    from specdistill.recipe import DraftConfig
-    from specdistill.train import draft_lm
-    from specdistill.train.drafts import load_draft
 
     recipe, target = setup
     torch.manual_seed(2)
-    model = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1), target.config,
-                                    recipe.target.path)
+    model = draft_lm.build_model(draft_lm.Config(kind="draft_lm", num_layers=1), target.config, recipe.target.path)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    step_dir = finish_checkpoint(recipe, 5, "draft_lm", draft_lm.config_dict(model), draft_lm.own_state_dict(model))
+    step_dir = finish_checkpoint(recipe, 5, "draft_lm", draft_lm.checkpoint_config(model), draft_lm.own_state_dict(model))
     out = export.export_checkpoint(recipe, step_dir, "hf")
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(3, V, (1, 10))
@@ -351,7 +344,7 @@ def test_vllm_eagle_for_the_real_default_target(tmp_path, monkeypatch):
             config["head_dim"], config["vocab_size"], config["rope_theta"]) == (576, 9, 3, 64, 49152, 100000.0)
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 2]])
-    before, after = reload_checkpoint_head(step_dir, target), export.load_vllm_eagle(out, target)
+    before, after = reload_checkpoint_head(step_dir, target), load_vllm_eagle(out, target)
     assert greedy_chain(before, target, ids, 4) == greedy_chain(after, target, ids, 4)
     assert "vllm serve " in (out / "README.md").read_text()
 
@@ -359,7 +352,7 @@ def test_vllm_eagle_for_the_real_default_target(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ vllm-eagle3, speculators
 # Written from vLLM 0.33 llama_eagle3.py (Eagle3LlamaForCausalLM): layer 0's q/k/v read cat(embeds, hidden)
 # = 2H wide, fc reads A=3 aux target states, own final norm and lm_head [Vd, H], d2t only when Vd < V.
-# No trained EAGLE-3 head exists yet (issue 6): the checkpoint is data shaped by this table.
+# The checkpoint here is data shaped by this table (a trained head's export: tests/test_eagle3.py).
 VD, AUX = 512, [0, 1, 2]
 EAGLE3_TENSORS = {
     "fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (VD, H),
@@ -539,7 +532,7 @@ def test_non_llama_target_exports_a_llama_style_head(tmp_path, monkeypatch, smol
     saved = load_file(step_dir / "draft.safetensors")["fc.weight"]
     scale = H ** 0.5 if model_type.startswith("gemma") else 1.0
     assert torch.allclose(fc[:, :H], saved[:, :H] * scale) and torch.equal(fc[:, H:], saved[:, H:])
-    before, after = reload_checkpoint_head(step_dir, target), export.load_vllm_eagle(out, target)
+    before, after = reload_checkpoint_head(step_dir, target), load_vllm_eagle(out, target)
     ids = torch.randint(3, V, (1, 12))
     with torch.no_grad():
         feats = target(ids, output_hidden_states=True).hidden_states[-1]

@@ -101,7 +101,7 @@ def decodes(recipe, step_dir: Path) -> dict:
     from specdistill.eval.runtime import make_runtime
     from specdistill.eval.tree import TreeDecoder
     from specdistill.target import load_target, load_tokenizer
-    from specdistill.train.drafts import load_draft
+    from specdistill.kinds import load_draft
 
     target, tokenizer = load_target(recipe.target), load_tokenizer(recipe.target)
     runtime = make_runtime(target, recipe.eval.runtime)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specdistill import layout
+from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import report
 from specdistill.recipe import load_recipe
@@ -196,9 +196,9 @@ def test_bad_inputs_name_the_file(recipe):
 
 
 def test_leviathan_curve():
-    assert report.leviathan_tau(0.0, 4) == 1.0
-    assert report.leviathan_tau(1.0, 4) == 5.0
-    assert abs(report.leviathan_tau(0.5, 2) - 1.75) < 1e-12
+    assert metrics.leviathan_tau(0.0, 4) == 1.0
+    assert metrics.leviathan_tau(1.0, 4) == 5.0
+    assert abs(metrics.leviathan_tau(0.5, 2) - 1.75) < 1e-12
 
 
 def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):

@@ -5,7 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdistill.eval.sampling import residual, speculative_sample, verify_chain, verify_greedy
+from specdistill.eval.sampling import residual, verify_chain, verify_greedy
+from tests.helpers import speculative_sample
 
 V = 8
 DRAWS = 100_000

@@ -14,6 +14,12 @@ import torch
 import yaml
 
 from specdistill import layout
+from specdistill.formats import read_draft_config
+from specdistill.kinds import draft_lm, eagle3, load_draft
+from specdistill.kinds import eagle as eagle_kind
+from specdistill.metrics import simulated_tau
+from specdistill.recipe import LossConfig
+from specdistill.target import TargetParts, parts_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +114,7 @@ def test_step_micro_batches_same_for_one_and_two_processes():
 def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
     from transformers import AutoModelForCausalLM
 
-    from specdistill.train import drafts, launch
+    from specdistill.train import launch
     from specdistill.train.eagle import EagleHead
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "eagle-run", max_steps=4)
@@ -122,7 +128,7 @@ def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpo
     assert sorted(q.name for q in last.iterdir()) == ["COMPLETE", "draft.safetensors", "draft_config.json", "ds", "metrics.json"]
     held = json.loads((last / "metrics.json").read_text())["heldout"]
     assert {"fkl", "tvd", "predicted_alpha", "top1"} <= set(held)
-    assert drafts.draft_kind(last) == "eagle"
+    assert read_draft_config(last)["kind"] == "eagle"
     assert_heldout_metrics_recomputed(recipe, last, held)
 
     from safetensors.torch import load_file
@@ -130,7 +136,7 @@ def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpo
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     saved = load_file(str(last / "draft.safetensors"))
     assert set(saved) == set(EagleHead(target.config).own_state_dict())
-    head = drafts.load_draft(last, target)
+    head = load_draft(last, target)
     assert isinstance(head, EagleHead)
     assert torch.equal(head.fc.weight, saved["fc.weight"])
     f = torch.randn(1, 5, target.config.hidden_size)
@@ -144,10 +150,9 @@ def assert_heldout_metrics_recomputed(recipe, step_dir, held):
     from transformers import AutoModelForCausalLM
 
     from specdistill.data.cache_reader import CacheDataset
-    from specdistill.train import drafts
 
     target = AutoModelForCausalLM.from_pretrained(recipe.target.path).eval()
-    head = drafts.load_draft(step_dir, target)
+    head = load_draft(step_dir, target)
     lm_head = target.get_output_embeddings()
     overlap, agree, n = 0.0, 0, 0
     with torch.no_grad():
@@ -168,7 +173,7 @@ def assert_heldout_metrics_recomputed(recipe, step_dir, held):
 def test_draft_lm_trains_on_topk_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
     from transformers import AutoModelForCausalLM
 
-    from specdistill.train import drafts, launch
+    from specdistill.train import launch
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "lm-run", kind="draft_lm", max_steps=2, lr=0.01)
     write_cache(recipe.run_dir, tiny_target_dir)
@@ -177,7 +182,7 @@ def test_draft_lm_trains_on_topk_and_reloads(tmp_path, tiny_target_dir, checkpoi
     last = layout.checkpoints(recipe.run_dir)[-1]
     from safetensors.torch import load_file
 
-    from specdistill.train.draft_lm import read_target_tensors
+    from specdistill.target import read_target_tensors
 
     saved = load_file(str(last / "draft.safetensors"))
     start = read_target_tensors(tiny_target_dir, ["model.layers.0.mlp.up_proj.weight"])
@@ -186,7 +191,7 @@ def test_draft_lm_trains_on_topk_and_reloads(tmp_path, tiny_target_dir, checkpoi
     held = json.loads((last / "metrics.json").read_text())["heldout"]
     assert "truncated" in held["distribution"] and 0 <= held["predicted_alpha"] <= 1
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
-    draft = drafts.load_draft(last, target)
+    draft = load_draft(last, target)
     assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == target.config.vocab_size
     assert draft(torch.arange(6)[None]).logits.shape[-1] == target.config.vocab_size
 
@@ -245,21 +250,19 @@ def test_nan_loss_stops_with_step_and_keeps_last_good(tmp_path, tiny_target_dir,
 
 
 def test_draft_lm_lora_and_resized_hidden(tiny_target_dir):
-    from specdistill.recipe import DraftConfig, LoraConfig
-    from specdistill.target import load_target_config
     from specdistill.recipe import TargetConfig
-    from specdistill.train import draft_lm
+    from specdistill.target import load_target_config, read_target_tensors
 
     cfg = load_target_config(TargetConfig(path=str(tiny_target_dir)))
-    copied = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1), cfg, str(tiny_target_dir))
-    src = draft_lm.read_target_tensors(tiny_target_dir, ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
+    copied = draft_lm.build_model(draft_lm.Config(kind="draft_lm", num_layers=1), cfg, str(tiny_target_dir))
+    src = read_target_tensors(tiny_target_dir, ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
     assert torch.equal(copied.model.layers[0].self_attn.q_proj.weight, src["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(copied.model.embed_tokens.weight, src["model.embed_tokens.weight"])
-    small = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1, hidden_size=32, intermediate_size=64,
-                                                num_attention_heads=2, num_key_value_heads=1), cfg, str(tiny_target_dir))
+    small = draft_lm.build_model(draft_lm.Config(kind="draft_lm", num_layers=1, hidden_size=32, intermediate_size=64,
+                                                 num_attention_heads=2, num_key_value_heads=1), cfg, str(tiny_target_dir))
     assert small.config.hidden_size == 32 and small(torch.arange(4)[None]).logits.shape[-1] == cfg.vocab_size
-    lora = draft_lm.build_draft_lm(DraftConfig(kind="draft_lm", num_layers=1, lora=LoraConfig(r=4)), cfg,
-                                   str(tiny_target_dir))
+    lora = draft_lm.build_model(draft_lm.Config(kind="draft_lm", num_layers=1, lora=draft_lm.LoraConfig(r=4)), cfg,
+                                str(tiny_target_dir))
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     with torch.no_grad():
@@ -271,7 +274,7 @@ def test_draft_lm_lora_and_resized_hidden(tiny_target_dir):
     merged = state["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(merged, src["model.layers.0.self_attn.q_proj.weight"])
     x = torch.arange(6)[None]
-    reloaded = draft_lm.load_draft_lm(draft_lm.config_dict(lora), state)
+    reloaded = draft_lm.load(draft_lm.checkpoint_config(lora), state, target_model=None)
     with torch.no_grad():
         assert torch.allclose(reloaded(x).logits, lora(input_ids=x).logits, atol=1e-4)
 
@@ -279,7 +282,7 @@ def test_draft_lm_lora_and_resized_hidden(tiny_target_dir):
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_target_parts_match_the_loaded_target(tmp_path, model_type):
     from specdistill.recipe import TargetConfig
-    from specdistill.train.drafts import load_target_parts
+    from specdistill.target import load_target_parts
     from tests.conftest import tiny_model
 
     target = tiny_model(model_type, vocab_size=300)
@@ -299,9 +302,7 @@ def test_eagle3_offline_acceptance_per_depth_and_simulated_tau(tmp_path, tiny_ta
     from transformers import AutoModelForCausalLM
 
     from specdistill.data.cache_reader import CacheDataset, collate
-    from specdistill.train import drafts
     from specdistill.train.eagle3 import Eagle3Head, ttt_forward
-    from specdistill.train.offline_metrics import eagle3_metrics, simulated_tau
     from tests.test_eagle3 import add_aux_states
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "e3-metrics", kind="eagle3")
@@ -313,9 +314,8 @@ def test_eagle3_offline_acceptance_per_depth_and_simulated_tau(tmp_path, tiny_ta
     head.set_draft_vocab(torch.arange(0, 384, 4))
     head.config.ttt_steps = 3
     head.bind_target(target.get_input_embeddings()).eval()
-    parts = drafts.TargetParts(target.config, target.get_input_embeddings(), target.get_output_embeddings(), None)
     items = list(CacheDataset(layout.cache_dir(recipe.run_dir), "heldout"))
-    m = eagle3_metrics(head, [collate(items)], parts)
+    m = eagle3.Objective(head, parts_of(target), LossConfig()).offline_metrics([collate(items)])
 
     acc, n = [0.0] * 3, [0] * 3
     with torch.no_grad():
@@ -347,7 +347,6 @@ def test_gemma2_final_logit_softcap_wherever_p_is_formed():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdistill.target import target_logits_from_hidden
-    from specdistill.train import drafts
     from specdistill.train.eagle import EagleHead
     from specdistill.train.eagle3 import Eagle3Head
     from tests.conftest import tiny_config
@@ -365,26 +364,26 @@ def test_gemma2_final_logit_softcap_wherever_p_is_formed():
     assert not torch.allclose(lm_head(h[0]), want, atol=1e-3)  # the cap matters for this model
     torch.testing.assert_close(target_logits_from_hidden(cfg, lm_head, h[0]), want, atol=1e-4, rtol=1e-4)
 
-    parts = drafts.TargetParts(cfg, model.get_input_embeddings(), lm_head, None)
+    parts = TargetParts(cfg, model.get_input_embeddings(), lm_head, None)
     ones = torch.ones_like(ids)
     batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones, "hidden_last": h,
              "hidden_aux": torch.stack([out.hidden_states[i] for i in (0, 1, 2)], dim=2)}
     with torch.no_grad():
         eagle = EagleHead(cfg).bind_target(model.get_input_embeddings(), lm_head).eval()
-        pred = drafts.predict("eagle", eagle, batch, parts)
+        pred = eagle_kind.Objective(eagle, parts, LossConfig())(batch)
         torch.testing.assert_close(pred["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
         assert pred["q_logits"].abs().max() <= 2.0 and eagle.logits(h[0]).abs().max() <= 2.0
         saved = json.loads(eagle.config.to_json_string())  # what draft_config.json keeps; load_draft rebuilds from it
         assert EagleHead(AutoConfig.for_model(saved.pop("model_type"), **saved)).config.final_logit_softcapping == 2.0
 
-        lm = drafts.predict("draft_lm", model, batch, parts)
+        lm = draft_lm.Objective(model, parts, LossConfig())(batch)
         torch.testing.assert_close(lm["p_logits"], want[:T - 1], atol=1e-4, rtol=1e-4)
 
         head = Eagle3Head(cfg, 256, [0, 1, 2])
         head.set_draft_vocab(torch.arange(256))
         head.config.ttt_steps = 2
         head.bind_target(model.get_input_embeddings()).eval()
-        e3 = drafts.predict("eagle3", head, batch, parts)
+        e3 = eagle3.Objective(head, parts, LossConfig())(batch)
         torch.testing.assert_close(e3["steps"][0]["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(e3["steps"][1]["p_logits"], want[2:T - 1], atol=1e-4, rtol=1e-4)
 
@@ -395,18 +394,15 @@ def test_eagle_offline_acceptance_per_depth_on_its_own_features(tmp_path, tiny_t
     from transformers import AutoModelForCausalLM
 
     from specdistill.data.cache_reader import CacheDataset, collate
-    from specdistill.train import drafts
     from specdistill.train.eagle import EagleHead
-    from specdistill.train.offline_metrics import offline_metrics, simulated_tau
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "e1-metrics")
     write_cache(recipe.run_dir, tiny_target_dir, n_train=2, n_heldout=3)
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     torch.manual_seed(0)
     head = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings()).eval()
-    parts = drafts.TargetParts(target.config, target.get_input_embeddings(), target.get_output_embeddings(), None)
     items = list(CacheDataset(layout.cache_dir(recipe.run_dir), "heldout"))
-    m = offline_metrics("eagle", head, [collate(items)], parts)
+    m = eagle_kind.Objective(head, parts_of(target), LossConfig()).offline_metrics([collate(items)])
 
     hits, overlap, n = [0] * 3, [0.0] * 3, [0] * 3
     with torch.no_grad():

@@ -9,9 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import SpeculativeDecoder, decode_baseline, eos_token_ids
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.tree import TreeDecoder, parse_tree
 from specdistill.train.eagle3 import Eagle3Head, ttt_forward
+from tests.helpers import decode_baseline
 from tests.test_engine import eagle3_for, eagle_for, llama
 
 V = 512
@@ -38,7 +39,7 @@ def fit(head, target, steps: int):
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=3e-3)
-    eagle3 = head.kind == "eagle3"
+    eagle3 = isinstance(head, Eagle3Head)
     if eagle3:
         to_draft = torch.full((V,), -100)
         to_draft[head.draft_ids] = torch.arange(head.draft_ids.numel())
@@ -130,12 +131,12 @@ def draft_one_tree(target, head, tree_cfg):
     """Prefill the first prompt and draft one tree: (decoder, seq, n, features, tree)."""
     decoder = TreeDecoder(target, head, tree_cfg)
     decoder.target.reset(64)
-    decoder.drafter.reset()
+    decoder.stepper.drafter.reset()
     seq = torch.tensor(PROMPTS[0] + [0] * 8)
     n = len(PROMPTS[0])
     with torch.no_grad():
         _, feats = decoder.target.forward(seq[:n - 1], 0)
-        tree = decoder.draft_tree(seq, n, feats, 4)
+        tree = decoder.stepper.draft(seq, n, feats, 4, 0.0, None)
     return decoder, seq, n, feats, tree
 
 
@@ -148,13 +149,13 @@ def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
         assert tree.depths[i] == (tree.depths[p] + 1 if p >= 0 else 1)
         assert tree.scores[i] <= (tree.scores[p] if p >= 0 else 0.0)
     assert all(t in set(heads["eagle3"].draft_ids.tolist()) for t in tree.tokens)
-    assert decoder.drafter.cache.get_seq_length() == n - 1  # drafted entries dropped
+    assert decoder.stepper.drafter.cache.get_seq_length() == n - 1  # drafted entries dropped
 
 
 def chain_score(head, seq, n, feats, path):
     """Cumulative draft log-prob of `path` by a plain chain run of the head (causal mask, fresh cache)."""
     cache = DynamicCache(config=head.config)
-    eagle3 = head.kind == "eagle3"
+    eagle3 = isinstance(head, Eagle3Head)
     state = head.project(feats[None]) if eagle3 else feats[None]
     h = head(seq[1:n][None], state, position_ids=torch.arange(n - 1)[None], past_key_values=cache)[:, -1:]
     index = {t: i for i, t in enumerate(head.draft_ids.tolist())} if eagle3 else None

@@ -7,7 +7,9 @@ import torch
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import load_recipe
 from specdistill.target import load_target
-from specdistill.train import drafts, export
+from specdistill import kinds
+from specdistill.target import parts_of
+from specdistill.train import export
 from tests.test_export import V, finish_checkpoint, make_eagle_checkpoint
 
 
@@ -19,8 +21,7 @@ def recipe_for(tmp_path, target_dir, kind: str, extra: str = ""):
 
 
 def build(recipe, target):
-    return drafts.build_draft(recipe, target.config, target.get_input_embeddings(), target.get_output_embeddings(),
-                              target_dir=str(recipe.target.path))
+    return kinds.kind(recipe.draft.kind).build(recipe, parts_of(target, str(recipe.target.path)))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
@@ -32,7 +33,7 @@ def test_eagle_head_round_trips_through_export(tmp_path, smollm_tokenizer, model
     target = load_target(recipe.target)
     step_dir = make_eagle_checkpoint(recipe, target.config, seed=5)
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
-    original = drafts.load_draft(step_dir, target)
+    original = kinds.load_draft(step_dir, target)
     recipe.draft.init_from = str(out)
     warm = build(recipe, target)
     ids = torch.randint(3, V, (1, 9))

@@ -9,7 +9,6 @@ ones keep weights and metrics); `best` links to the checkpoint with the best hel
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,14 +16,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.formats import read_metrics, write_checkpoint, write_json_atomic
 
 DS_TAG = "state"
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _barrier() -> None:
@@ -37,15 +32,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def checkpoint_step(step_dir: Path) -> int:
-    return int(layout.STEP_DIR.match(step_dir.name).group(1))
-
-
 def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_config: dict, metrics: dict,
                     rank: int) -> Path:
     """Collective: every rank calls it (DeepSpeed saves its shard of the state); rank 0 writes the rest."""
-    from safetensors.torch import save_file
-
     final = layout.step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -55,10 +44,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_con
     engine.save_checkpoint(str(tmp / "ds"), tag=DS_TAG)
     _barrier()
     if rank == 0:
-        save_file({k: v.cpu() for k, v in own_state.items()}, str(tmp / "draft.safetensors"))
-        _write_json(tmp / "draft_config.json", draft_config)
-        _write_json(tmp / "metrics.json", metrics)
-        (tmp / "COMPLETE").write_text(f"{step}\n")
+        write_checkpoint(tmp, own_state, draft_config, metrics)
         if final.exists():  # an incomplete leftover of a crashed run
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -96,8 +82,8 @@ def best_checkpoint(run_dir: Path, metric: str) -> tuple[Path, float] | None:
     lower = lower_is_better(metric)
     for step_dir in layout.checkpoints(run_dir):
         try:
-            value = json.loads((step_dir / "metrics.json").read_text()).get("heldout", {}).get(metric)
-        except (OSError, json.JSONDecodeError):
+            value = (read_metrics(step_dir) or {}).get("heldout", {}).get(metric)
+        except SpecdistillError:
             continue
         if not isinstance(value, (int, float)) or value != value:
             continue
@@ -117,7 +103,7 @@ def link_best(run_dir: Path, metric: str) -> tuple[Path, float] | None:
         tmp.unlink()
     tmp.symlink_to(best[0].name, target_is_directory=True)
     os.replace(tmp, link)
-    _write_json(run_dir / "best.json", {"checkpoint": best[0].name, "metric": f"heldout.{metric}", "value": best[1],
+    write_json_atomic(run_dir / "best.json", {"checkpoint": best[0].name, "metric": f"heldout.{metric}", "value": best[1],
                                         "rule": "lowest" if lower_is_better(metric) else "highest"})
     return best
 

@@ -16,6 +16,9 @@ import copy
 
 import torch
 from torch import nn
+from transformers import AutoModel, LlamaConfig
+
+from specdistill.target import read_target_tensors, target_logits_from_hidden
 
 
 def require_same_names(expected: set[str], state: dict, what: str) -> None:
@@ -49,8 +52,6 @@ def llama_layer_config(target_config, num_layers: int = 1):
     """
     if target_config.model_type == "llama":
         return one_layer_config(target_config, num_layers)
-    from transformers import LlamaConfig
-
     kwargs = {k: getattr(target_config, k) for k in LLAMA_KEYS if getattr(target_config, k, None) is not None}
     rope = dict(getattr(target_config, "rope_parameters", None) or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3)
@@ -87,8 +88,6 @@ def target_norm_weight(tensor: torch.Tensor, model_type: str) -> torch.Tensor:
 def init_layer_from_target(layer: nn.Module, target_dir, target_config, index: int | None = None) -> list[str]:
     """Copy the target's decoder layer `index` (default: the last) into the head's layer where names and
     shapes allow (EAGLE-3's 2H-wide q/k/v never do; Qwen3's q/k norms have no place). Returns the copied names."""
-    from specdistill.train.draft_lm import read_target_tensors
-
     index = target_config.num_hidden_layers - 1 if index is None else index
     family = "gemma" if target_config.model_type.startswith("gemma") else "default"
     prefix = f"model.layers.{index}."
@@ -107,12 +106,8 @@ def init_layer_from_target(layer: nn.Module, target_dir, target_config, index: i
 
 
 class EagleHead(nn.Module):
-    kind = "eagle"
-
     def __init__(self, target_config):
         super().__init__()
-        from transformers import AutoModel
-
         cfg = llama_layer_config(target_config)
         if getattr(target_config, "final_logit_softcapping", None):  # Gemma-2 caps what its LM head outputs
             cfg.final_logit_softcapping = target_config.final_logit_softcapping
@@ -145,8 +140,6 @@ class EagleHead(nn.Module):
     def logits(self, features):
         """The target's LM head over the predicted feature, with the target's logit post-processing (Gemma-2's
         final softcap), as the target reads its own features."""
-        from specdistill.target import target_logits_from_hidden
-
         return target_logits_from_hidden(self.config, self.lm_head, features)
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,15 +15,30 @@ the conventions of EAGLE-3's research code, SpecForge and vLLM. Weight names mat
 from __future__ import annotations
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoModel, DynamicCache
 
+from specdistill import layout
+from specdistill.errors import SpecdistillError
 from specdistill.train.eagle import llama_layer_config, require_same_names
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """vLLM's default ids (2, N//2, N-3): hidden_states indices, i.e. the input of that layer (clamped to
-    0..N for targets of fewer than 3 layers, as the cache stage does)."""
+    0..N for targets of fewer than 3 layers)."""
     return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def resolve_aux_layers(recipe, num_layers: int) -> list[int]:
+    """The target layers an EAGLE-3 head reads: cache.aux_layers, else the default. The one place that
+    decides it, for the cache stage and the head alike."""
+    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else default_aux_layers(num_layers)
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad:
+        raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "
+                               f"indices run 0..{num_layers} for a target with {num_layers} layers")
+    return list(layers)
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -35,10 +50,6 @@ def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torc
 
 def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
     """How often each token is a trained (loss-masked) token in the cached train split."""
-    from safetensors import safe_open
-
-    from specdistill import layout
-
     counts = torch.zeros(vocab_size, dtype=torch.long)
     shards = sorted((layout.cache_dir(run_dir) / "train").glob("shard-*.safetensors"))
     for shard in shards:
@@ -56,12 +67,8 @@ def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
 
 
 class Eagle3Head(nn.Module):
-    kind = "eagle3"
-
     def __init__(self, target_config, draft_vocab_size: int, aux_layers: list[int]):
         super().__init__()
-        from transformers import AutoModel
-
         cfg = llama_layer_config(target_config)  # Llama-style for any target (vLLM: Eagle3LlamaForCausalLM)
         cfg._attn_implementation = "sdpa"  # we pass boolean masks (True = attend)
         cfg.draft_vocab_size = draft_vocab_size
@@ -137,16 +144,12 @@ class Eagle3Head(nn.Module):
     def project(self, aux_features: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_features.to(self.fc.weight.dtype) * self.aux_scale.to(self.fc.weight.dtype))
 
-    def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None,
-                ttt_aux=None, ttt_steps: int = 0, noise: float = 0.0, generator=None, ttt_keep=None):
+    def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
 
         attention_mask: bool [B, 1, T, S] over all keys (cached + new), True = attend; None = causal
-        over the new positions after everything cached. With `ttt_aux` (training, through the
-        DeepSpeed engine's forward) it runs the whole unroll instead: see `ttt_forward`.
+        over the new positions after everything cached. Training unrolls this forward (`ttt_forward`).
         """
-        if ttt_aux is not None:
-            return ttt_forward(self, input_ids, ttt_aux, attention_mask, ttt_steps, noise, generator, ttt_keep)
         with torch.no_grad():
             emb = self.embed_tokens(input_ids).to(state.dtype)
         layer = self.layers[0]
@@ -203,8 +206,6 @@ def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps
     keep: one bool [B, T] per step; only those positions get logits, [n_s, Vd] (the LM head is about
     half a step's cost, and prompt tokens are not trained).
     """
-    from transformers import DynamicCache
-
     B, T = input_ids.shape
     cache = DynamicCache(config=head.config)
     state = head.project(aux_features)

@@ -20,10 +20,11 @@ Formats (see ../shared/docs/vllm-formats.md; names and shapes checked against vL
                (`"method": "draft_model"`, same vocab size as the target).
   vllm-eagle3  EAGLE-3 head -> vLLM `Eagle3LlamaForCausalLM` (`"method": "eagle3"`), plain layout.
   speculators  the same tensors with a speculators-format config.json (speculators_config, verifier).
-               Both are written from the contract in `write_eagle3` (vLLM's own tensor names); the
-               EAGLE-3 head itself arrives with issue 6, so they are checked against vLLM's loader
-               tables (and, for speculators, the speculators 0.9.0 library's own config and model
-               classes: tests/test_export.py), not yet round-tripped through a trained head.
+               Both are written from the contract in `write_eagle3` (vLLM's own tensor names) and checked
+               against vLLM's loader tables and, for speculators, the speculators 0.9.0 library's own
+               config and model classes (tests/test_export.py).
+
+Which kind offers which formats is the kind's (specdistill/kinds/, `EXPORT_FORMATS`, the default first).
 
 The export directory name ("vllm-eagle") does not contain "eagle-", so vLLM cannot guess the method
 from the path: the README's serve command always passes "method".
@@ -38,11 +39,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill import layout
-from specdistill.errors import SpecdistillError
+from transformers import PretrainedConfig
 
-DEFAULT_FORMAT = {"eagle": "vllm-eagle", "eagle3": "vllm-eagle3", "draft_lm": "hf"}
-FORMAT_KIND = {"vllm-eagle": "eagle", "vllm-eagle3": "eagle3", "speculators": "eagle3", "hf": "draft_lm"}
+from specdistill import formats, kinds, layout
+from specdistill.errors import SpecdistillError
+from specdistill.formats import checkpoint_fingerprint
+from specdistill.target import fingerprint_target, load_target, load_target_config, load_tokenizer, resolve_target
+from specdistill.train.eagle import EagleHead, llama_layer_config
+
 VLLM_METHOD = {"vllm-eagle": "eagle", "vllm-eagle3": "eagle3", "speculators": "eagle3", "hf": "draft_model"}
 # Config keys of the target that make no sense in a one-layer head's config.json.
 DROPPED_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
@@ -55,7 +59,8 @@ def run(recipe, args) -> None:
     run_dir = recipe.run_dir
     step_dir = pick_checkpoint(run_dir, getattr(args, "checkpoint", None))
     kind = read_draft_config(step_dir)["kind"]
-    formats = [args.format] if getattr(args, "format", None) else (recipe.export.formats or [DEFAULT_FORMAT[kind]])
+    formats = [args.format] if getattr(args, "format", None) else (recipe.export.formats
+                                                                   or [kinds.kind(kind).EXPORT_FORMATS[0]])
     for fmt in formats:
         out = export_checkpoint(recipe, step_dir, fmt)
         print(f"exported {step_dir.name} ({kind}) as {fmt}: {out}")
@@ -74,10 +79,10 @@ def pick_checkpoint(run_dir: Path, name: str | None) -> Path:
         if not done:
             raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
         return done[-1]
-    digits = name.removeprefix("step-")
-    if not digits.isdigit():
+    step = layout.parse_step(name)
+    if step is None:
         raise SpecdistillError(f"--checkpoint {name!r}: expected step-N or N")
-    step_dir = layout.step_dir(run_dir, int(digits))
+    step_dir = layout.step_dir(run_dir, step)
     if step_dir not in done:
         have = ", ".join(p.name for p in done) or "none"
         raise SpecdistillError(f"--checkpoint {name}: {step_dir} is not a complete checkpoint (complete: {have})")
@@ -85,33 +90,20 @@ def pick_checkpoint(run_dir: Path, name: str | None) -> Path:
 
 
 def read_draft_config(step_dir: Path) -> dict:
-    path = step_dir / "draft_config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SpecdistillError(f"{path}: cannot read ({e})") from None
-    for key in ("kind", "config"):
-        if key not in cfg:
-            raise SpecdistillError(f"{path}: missing key '{key}'")
-    if cfg["kind"] not in DEFAULT_FORMAT:
-        raise SpecdistillError(f"{path}: unknown draft kind {cfg['kind']!r}")
+    """The checkpoint's draft_config.json, its kind one that is implemented."""
+    cfg = formats.read_draft_config(step_dir)
+    kinds.kind(cfg["kind"])
     return cfg
 
 
 def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
     """Write checkpoints/<run>/export/<fmt>/ atomically; return it."""
-    from specdistill.target import load_target_config
-
-    if fmt not in FORMAT_KIND:
-        raise SpecdistillError(f"--format {fmt!r}: expected one of {', '.join(FORMAT_KIND)}")
+    fmt_kind = kinds.kind_of_format(fmt)
     draft_cfg = read_draft_config(step_dir)
-    kind = draft_cfg["kind"]
-    if FORMAT_KIND[fmt] == "eagle3" and kind != "eagle3":
-        raise SpecdistillError(f"{step_dir}: format {fmt} is for EAGLE-3 heads, this checkpoint is a "
-                               f"'{kind}' draft (use --format {DEFAULT_FORMAT[kind]}); EAGLE-3 heads arrive with issue 6")
-    if kind != FORMAT_KIND[fmt]:
-        raise SpecdistillError(f"{step_dir}: format {fmt} exports '{FORMAT_KIND[fmt]}' drafts, this checkpoint "
-                               f"is a '{kind}' draft (use --format {DEFAULT_FORMAT[kind]})")
+    kind = kinds.kind(draft_cfg["kind"])
+    if fmt_kind is not kind:
+        raise SpecdistillError(f"{step_dir}: format {fmt} exports '{fmt_kind.NAME}' drafts ({fmt_kind.LABEL}), "
+                               f"this checkpoint is a '{kind.NAME}' draft (use --format {kind.EXPORT_FORMATS[0]})")
     check_same_target(recipe, step_dir, draft_cfg)
     target_config = load_target_config(recipe.target)
 
@@ -147,8 +139,6 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def check_same_target(recipe, step_dir: Path, draft_cfg: dict) -> None:
     """A head is only valid for the target it was trained on."""
-    from specdistill.target import fingerprint_target
-
     saved = (draft_cfg.get("target") or {}).get("fingerprint")
     if not saved or "error" in saved:  # training could not fingerprint (e.g. a hub target offline)
         return
@@ -169,10 +159,6 @@ def check_same_target(recipe, step_dir: Path, draft_cfg: dict) -> None:
 def vllm_eagle_config(target_config, dtype: torch.dtype) -> dict:
     """config.json for vLLM's EAGLE heads: the head's Llama layer config (train/eagle.py llama_layer_config:
     a Llama target's own config cut to one layer, or a Llama config with any other target's sizes)."""
-    from transformers import PretrainedConfig
-
-    from specdistill.train.eagle import llama_layer_config
-
     cfg = llama_layer_config(target_config).to_dict()
     generic = PretrainedConfig().to_dict()  # output_attentions, id2label, ...: noise in a head's config
     cfg = {k: v for k, v in cfg.items()
@@ -191,8 +177,6 @@ def vllm_eagle_config(target_config, dtype: torch.dtype) -> dict:
 
 def expected_eagle_shapes(target_config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor the EAGLE-1 head of this target owns (built on the meta device)."""
-    from specdistill.train.eagle import EagleHead
-
     with torch.device("meta"):
         head = EagleHead(target_config)
     return {k: tuple(v.shape) for k, v in head.own_state_dict().items()}
@@ -240,24 +224,6 @@ def scale_embedding_half(fc: torch.Tensor, target_config, fold: bool) -> torch.T
     out = fc.float().clone()
     out[:, :h] = out[:, :h] * scale if fold else out[:, :h] / scale
     return out.to(fc.dtype)
-
-
-def load_vllm_eagle(export_dir: Path, target_model):
-    """Our own reader of a vllm-eagle export: an EagleHead bound to the target's embedding and LM head."""
-    from transformers import AutoConfig
-
-    from specdistill.train.eagle import EagleHead
-
-    export_dir = Path(export_dir)
-    config = AutoConfig.from_pretrained(export_dir)
-    check_config_fits(export_dir / "config.json", config.to_dict(), target_model.config)
-    head = EagleHead(config)
-    state = load_file(export_dir / "model.safetensors")
-    check_eagle_weights(export_dir / "model.safetensors", state, {k: tuple(v.shape) for k, v in head.own_state_dict().items()})
-    state["fc.weight"] = scale_embedding_half(state["fc.weight"], target_model.config, fold=False)
-    head.load_own_state_dict(state)
-    head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
-    return head.eval()
 
 
 # ------------------------------------------------------------------------------ vllm-eagle3, speculators
@@ -371,8 +337,6 @@ def write_eagle3(step_dir: Path, draft_cfg: dict, recipe, target_config, fmt: st
 
 def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtype, k: int) -> dict:
     """speculators' Eagle3SpeculatorConfig as saved: no top-level model_type, the layer config nested."""
-    from specdistill.target import resolve_target
-
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "use_cache")}
     return {
         "architectures": ["Eagle3Speculator"],
@@ -397,63 +361,14 @@ def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtyp
 
 # ------------------------------------------------------------------------------------------------- hf
 
-def load_draft_lm(step_dir: Path, draft_cfg: dict, target_model):
-    """A draft_lm checkpoint as a plain transformers causal LM.
-
-    draft.safetensors holds the draft's own weights; parts it shares frozen with the target (the
-    embedding, the LM head) are absent there and are taken from the target, shape permitting.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config_dict = dict(draft_cfg["config"])
-    model_type = config_dict.pop("model_type", None)
-    if model_type is None:
-        raise SpecdistillError(f"{step_dir}/draft_config.json: config has no model_type")
-    config = AutoConfig.for_model(model_type, **config_dict)
-    weights = step_dir / "draft.safetensors"
-    state = load_file(weights)
-    if any("lora_" in k for k in state):
-        raise SpecdistillError(f"{weights}: holds LoRA adapter tensors; checkpoints store LoRA merged into "
-                               "the base weights (train/draft_lm.py own_state_dict), this one does not")
-    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
-    own = model.state_dict()
-    extra = sorted(set(state) - set(own))
-    if extra:
-        raise SpecdistillError(f"{weights}: unexpected tensors for a {model_type} draft: {extra[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise SpecdistillError(f"{weights}: tensor {name} has shape {list(tensor.shape)}, "
-                                   f"the draft config needs {list(own[name].shape)}")
-    model.load_state_dict(state, strict=False)
-    module_name = {m: n for n, m in model.named_modules()}
-    embed_name = module_name[model.get_input_embeddings()] + ".weight"
-    head_name = module_name[model.get_output_embeddings()] + ".weight"
-    for name in sorted(set(own) - set(state)):  # the frozen parts shared with the target
-        if name == embed_name:
-            source = target_model.get_input_embeddings().weight
-        elif name == head_name and not config.tie_word_embeddings:
-            source = target_model.get_output_embeddings().weight
-        elif name == head_name:
-            continue  # tied: filled with the embedding
-        else:
-            raise SpecdistillError(f"{weights}: missing tensor {name}")
-        target_param = model.get_parameter(name)
-        if target_param.shape != source.shape:
-            raise SpecdistillError(f"{weights}: has no {name} and the target's {list(source.shape)} does not "
-                                   f"fit the draft's {list(target_param.shape)}")
-        target_param.data.copy_(source.data)
-    return model.eval()
-
-
 def write_hf(step_dir: Path, draft_cfg: dict, recipe, target_config, out: Path) -> None:
-    from specdistill.target import load_target, load_tokenizer
-
     draft_vocab = draft_cfg["config"].get("vocab_size")
     if draft_vocab != target_config.vocab_size:
         raise SpecdistillError(f"{step_dir}/draft_config.json: draft vocab_size {draft_vocab} != target vocab_size "
                                f"{target_config.vocab_size}; vLLM's draft_model method needs the same vocabulary")
     target = load_target(recipe.target)
-    model = load_draft_lm(step_dir, draft_cfg, target)
+    config, state = formats.read_checkpoint(step_dir)
+    model = kinds.kind(config["kind"]).load(config["config"], state, target)  # in the checkpoint's dtype
     model.save_pretrained(out)
     load_tokenizer(recipe.target).save_pretrained(out)
 
@@ -464,12 +379,7 @@ def eval_summary(run_dir: Path, checkpoint: str) -> tuple[dict | None, str]:
     path = layout.eval_dir(run_dir) / f"{checkpoint}.json"
     if not path.exists():
         return None, "not evaluated"
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
-    from specdistill.eval.evaluate import checkpoint_fingerprint
-
+    data = formats.read_json(path)
     recorded, current = data.get("checkpoint_fingerprint"), checkpoint_fingerprint(run_dir / checkpoint)
     if recorded and recorded != current:  # measured on other weights: refuse it (and its best K)
         return None, (f"not shown: {path.name} measured another version of this checkpoint (fingerprint "
@@ -504,8 +414,6 @@ def speculative_tokens(recipe, step_dir: Path, why: bool = False):
 
 
 def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
-    from specdistill.target import resolve_target
-
     spec = {"method": VLLM_METHOD[fmt], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
     return f"vllm serve {resolve_target(recipe.target)} --speculative-config '{json.dumps(spec)}'"
 

@@ -12,23 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from specdistill import layout
+from specdistill import kinds, layout
+from specdistill.data.cache_reader import collate, open_cache
 from specdistill.errors import SpecdistillError
-from specdistill.train import checkpoint, drafts
+from specdistill.formats import write_text_atomic
+from specdistill.recipe import load_recipe
+from specdistill.target import DTYPES, fingerprint_target, load_target_parts
+from specdistill.train import checkpoint
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
-from specdistill.train.offline_metrics import offline_metrics
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from specdistill.train.report_to import Reporters
 
 
 # ---- data order -------------------------------------------------------------------------------
@@ -99,24 +102,20 @@ def all_sum(value: float, world: int) -> float:
 
 # ---- the loop ----------------------------------------------------------------------------------
 
-def _first_rows(dataset, key: str, n: int = 8) -> torch.Tensor:
-    """The cached `key` of the first n sequences, one row per token (deterministic: sets fixed scales)."""
-    return torch.cat([dataset[i][key].float().flatten(1) for i in range(min(n, len(dataset)))])
-
-
-def feature_std(dataset) -> float:
-    """Std of the cached EAGLE-1 features: sets EAGLE's noise scale."""
-    return _first_rows(dataset, "hidden_last").std().item()
-
-
-def aux_feature_std(dataset) -> torch.Tensor:
-    """Per-dimension std of the cached EAGLE-3 aux features [A*H]."""
-    return _first_rows(dataset, "hidden_aux").std(0)
+@dataclass
+class RunState:
+    """What every step and save of one training process reads: who it is, where it writes, how far it got."""
+    recipe: object
+    rank: int
+    world: int
+    device: torch.device
+    run_dir: Path
+    writer: Reporters | None  # rank 0 only: TensorBoard + train.report_to
+    last_good: Path | None  # the newest complete checkpoint (named when a NaN stops the run)
+    meta: dict  # what draft_config.json records beside the draft's own config
 
 
 def _heldout_batches(cache, recipe, device) -> list[dict]:
-    from specdistill.data.cache_reader import collate, open_cache
-
     try:
         held = open_cache(cache, "heldout", recipe.target, device)  # cache.mode online: the target computes features
     except SpecdistillError:
@@ -132,9 +131,7 @@ def _trim_log(run_dir: Path, keep_through: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_through]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _log_line(run_dir: Path, record: dict) -> None:
@@ -147,48 +144,42 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
 
     stop_after: stop once this step is done (simulates an interruption; used by the resume test).
     """
-    import deepspeed
+    import deepspeed  # deferred: seconds to import, and `specdistill train` may hand over to the launcher
 
-    from specdistill.data.cache_reader import collate, open_cache
-
-    tc, kind = recipe.train, recipe.draft.kind
+    tc, draft_kind = recipe.train, kinds.kind(recipe.draft.kind)
     rank, world, device = init_distributed()
     run_dir = recipe.run_dir
     cache = layout.cache_dir(run_dir)
     data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
         raise SpecdistillError(f"{cache}: the train split has no sequences")
-    dtype = DTYPES[tc.precision]
     torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
-    parts = drafts.load_target_parts(recipe.target, device, dtype)
-    draft = drafts.build_draft(recipe, parts.config, parts.embed, parts.lm_head, target_dir=parts.where)
-    if kind == "eagle3":  # a fixed input scaling, the same on every rank and every resume
-        draft.set_aux_scale(aux_feature_std(data))
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=draft, model_parameters=trainable,
-                                           config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
-    std = feature_std(data) if kind == "eagle" else 1.0
+    parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
+    head = draft_kind.build(recipe, parts, data)
+    objective = draft_kind.Objective(head, parts, recipe.loss, data)
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    ds_engine, _, _, _ = deepspeed.initialize(model=objective, model_parameters=trainable,
+                                              config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
     start = 0
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:
-        checkpoint.load_ds_state(engine, latest)
-        start = checkpoint.checkpoint_step(latest)
+        checkpoint.load_ds_state(ds_engine, latest)
+        start = layout.step_of(latest)
         if rank == 0:
             print(f"resuming from {latest.name}", flush=True)
-    meta = {"kind": kind, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
-            "loss": recipe.loss.model_dump(mode="json"), "feature_std": std if kind == "eagle" else None}
+    meta = {"kind": draft_kind.NAME, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
+            "loss": recipe.loss.model_dump(mode="json"), "feature_std": objective.feature_std}
     heldout = _heldout_batches(cache, recipe, device)
     if rank == 0:
         _trim_log(run_dir, start)
-    from specdistill.train.report_to import Reporters
-
-    writer = Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None  # TensorBoard + train.report_to
-    bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {kind}", disable=rank != 0, mininterval=1.0)
-    history, last_good = [], latest
+    run = RunState(recipe, rank, world, device, run_dir,
+                   Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta)
+    bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
+    history = []
     try:
         for step in range(start, tc.max_steps):
             t0 = time.time()
-            record = _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, device, std, last_good)
+            record = _train_step(run, ds_engine, data, step)
             record["tokens_per_s"] = record.pop("tokens") / max(time.time() - t0, 1e-9)
             history.append(record)
             if rank == 0:
@@ -198,44 +189,44 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
                 if (step + 1) % tc.log_every == 0 or step == start:
                     for k, v in record.items():
                         if k != "step" and v is not None:
-                            writer.add_scalar(f"train/{k}", v, step + 1)
+                            run.writer.add_scalar(f"train/{k}", v, step + 1)
             done = step + 1
             if done % tc.save_every == 0 or done == tc.max_steps:
-                last_good = _save(engine, kind, draft, recipe, done, rank, meta, heldout, parts, writer, record)
+                run.last_good = _save(run, ds_engine, done, heldout, record)
             if stop_after is not None and done >= stop_after:
                 break
     finally:
         bar.close()
-        if writer is not None:
-            writer.close()
+        if run.writer is not None:
+            run.writer.close()
     return history
 
 
-def _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, device, std, last_good) -> dict:
-    tc = recipe.train
-    lr = engine.get_lr()[0]
+def _train_step(run: RunState, ds_engine, data, step: int) -> dict:
+    """One optimizer step: per micro batch, batch -> objective -> loss -> backward; then the step."""
+    tc, world = run.recipe.train, run.world
+    objective = ds_engine.module
+    lr = ds_engine.get_lr()[0]
     sums, tokens = None, 0
     micro_batches = step_micro_batches(len(data), step, tc.micro_batch_size, tc.gradient_accumulation_steps,
-                                       world, rank, tc.seed)
+                                       world, run.rank, tc.seed)
     grad_norm = None
     for m, indices in enumerate(micro_batches):
-        batch = to_device(collate([data[i] for i in indices]), device)
-        k = m * world + rank  # the micro batch's index in the global batch: same noise for any world size
+        batch = to_device(collate([data[i] for i in indices]), run.device)
+        k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
         g = torch.Generator().manual_seed((tc.seed * 100_003 + step) * 65_536 + k)
-        pred = drafts.predict(kind, engine, batch, parts, recipe.loss.feature_noise, std, g,
-                              recipe.loss.distribution_sample)
-        loss, components = drafts.training_loss(kind, pred, recipe.loss)
+        loss, components = objective.loss(ds_engine(batch, generator=g))
         values = all_mean(torch.stack([loss.detach(), *components.values()]), world)
         if not torch.isfinite(values).all():
-            where = f"last good checkpoint: {last_good.name}" if last_good else "no checkpoint was written"
+            where = f"last good checkpoint: {run.last_good.name}" if run.last_good else "no checkpoint was written"
             raise SpecdistillError(f"train: loss became {values[0].item()} at step {step + 1} "
                                    f"(micro batch {m}); stopping, {where}")
         sums = values if sums is None else sums + values
         tokens += int(batch["attention_mask"].sum())
-        engine.backward(loss)
+        ds_engine.backward(loss)
         if m == len(micro_batches) - 1:
-            grad_norm = _grad_norm(engine)
-        engine.step()
+            grad_norm = _grad_norm(ds_engine)
+        ds_engine.step()
     sums = sums / len(micro_batches)
     record = {"step": step + 1, "loss": sums[0].item(), "lr": lr, "grad_norm": grad_norm,
               "tokens": all_sum(tokens, world)}
@@ -243,54 +234,52 @@ def _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, d
     return record
 
 
-def _grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
-    if norm is None and engine.zero_optimization_stage() == 0:  # plain DP: grads are whole on each rank
-        grads = [p.grad.float().norm() for p in engine.module.parameters() if p.grad is not None]
+def _grad_norm(ds_engine) -> float | None:
+    norm = ds_engine.get_global_grad_norm()
+    if norm is None and ds_engine.zero_optimization_stage() == 0:  # plain DP: grads are whole on each rank
+        grads = [p.grad.float().norm() for p in ds_engine.module.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm().item() if grads else 0.0
     return None if norm is None else float(norm)
 
 
 def _fingerprint(recipe) -> dict | None:
-    from specdistill.target import fingerprint_target
-
     try:
         return fingerprint_target(recipe.target)
     except Exception as e:  # a hub target without network: the checkpoint still records the path
         return {"error": str(e).splitlines()[0][:200]}
 
 
-def _save(engine, kind, draft, recipe, step, rank, meta, heldout, parts, writer, record) -> Path:
-    engine.eval()
+def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
+    recipe, objective = run.recipe, ds_engine.module
+    draft_kind = kinds.kind(recipe.draft.kind)
+    ds_engine.eval()
     metrics = {"step": step, "train_loss": record["loss"]}
-    metrics["heldout"] = offline_metrics(kind, engine, heldout, parts) if heldout else {"note": "no heldout split"}
-    engine.train()
-    own = _gathered_own_state(engine, kind, draft)
-    config = {**meta, "config": drafts.draft_config_dict(kind, draft), "step": step}
-    if writer is not None:
+    metrics["heldout"] = objective.offline_metrics(heldout) if heldout else {"note": "no heldout split"}
+    ds_engine.train()
+    own = _gathered_own_state(ds_engine, draft_kind, objective.head)
+    config = {**run.meta, "config": draft_kind.checkpoint_config(objective.head), "step": step}
+    if run.writer is not None:
         for k, v in metrics["heldout"].items():
             if isinstance(v, (int, float)) and k not in ("temperature",):
-                writer.add_scalar(f"heldout/{k}", v, step)
-        writer.flush()
-    saved = checkpoint.save_checkpoint(recipe.run_dir, step, engine, own, config, metrics, rank)
-    if rank == 0:  # keep_last / best link (train/checkpoint.py)
+                run.writer.add_scalar(f"heldout/{k}", v, step)
+        run.writer.flush()
+    saved = checkpoint.save_checkpoint(recipe.run_dir, step, ds_engine, own, config, metrics, run.rank)
+    if run.rank == 0:  # keep_last / best link (train/checkpoint.py)
         print(f"saved {saved.name}; " + checkpoint.housekeeping(recipe.run_dir, recipe.train.keep_last,
                                                                 recipe.train.best_metric), flush=True)
     return saved
 
 
-def _gathered_own_state(engine, kind, draft) -> dict:
-    if engine.zero_optimization_stage() == 3:  # parameters are partitioned: gather them to save
+def _gathered_own_state(ds_engine, draft_kind, head) -> dict:
+    if ds_engine.zero_optimization_stage() == 3:  # parameters are partitioned: gather them to save
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
-            return drafts.own_state_dict(kind, draft)
-    return drafts.own_state_dict(kind, draft)
+        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=None):
+            return draft_kind.own_state_dict(head)
+    return draft_kind.own_state_dict(head)
 
 
 def main(argv=None) -> int:
-    from specdistill.recipe import load_recipe
-
     parser = argparse.ArgumentParser(description="one training process (started by the DeepSpeed launcher)")
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--local_rank", type=int, default=None)  # set by the launcher (also in LOCAL_RANK)
@@ -306,6 +295,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

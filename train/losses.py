@@ -1,7 +1,6 @@
 """Distribution losses between the target's p and the draft's q, in log space.
 
-Definitions follow /work/shared/docs/metrics.md: fkl = KL(p||q), rkl = KL(q||p),
-jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|.
+The divergences themselves are specdistill/metrics.py's (one definition for losses and metrics).
 
 Two ways to get p:
   * full vocabulary: p = softmax(lm_head(hidden_last) / T) from the target's frozen head;
@@ -12,44 +11,10 @@ Each divergence is computed per position; the loss is the mean over masked posit
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-NAMES = ("fkl", "rkl", "jsd", "tvd")
-
-
-def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """sum_x a (log a - log b) over the last axis; outcomes with a = 0 contribute 0 (no inf - inf)."""
-    a = log_a.exp()
-    terms = a * (log_a - log_b)
-    return torch.where(a > 0, terms, torch.zeros_like(terms)).sum(-1)
-
-
-def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: float = 0.5) -> dict:
-    """Per-position divergences [N] between two normalised log-distributions [N, V]."""
-    out = {}
-    for name in names:
-        if name == "fkl":
-            out[name] = _kl(log_p, log_q)
-        elif name == "rkl":
-            out[name] = _kl(log_q, log_p)
-        elif name == "jsd":
-            if beta == 0.0:
-                out[name] = torch.zeros(log_p.shape[:-1], dtype=log_p.dtype, device=log_p.device)
-                continue  # m = q: beta KL(p||m) and KL(q||q) both vanish
-            if beta == 1.0:
-                out[name] = torch.zeros(log_p.shape[:-1], dtype=log_p.dtype, device=log_p.device)
-                continue
-            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
-            log_m = torch.where(log_p == log_q, log_p, log_m)  # m = p exactly where q = p (no rounding)
-            out[name] = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
-        elif name == "tvd":
-            out[name] = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
-        else:
-            raise ValueError(f"unknown loss term {name!r}; known: {', '.join(NAMES)}")
-    return out
+from specdistill.metrics import NAMES, divergences  # noqa: F401  (the losses are these divergences)
 
 
 def full_vocab_logprobs(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float = 1.0):
@@ -77,6 +42,13 @@ def topk_logprobs(topk_logprobs_t1: torch.Tensor, topk_ids: torch.Tensor, tail_m
     outside = log_q_full.scatter(-1, ids, float("-inf"))
     log_q = torch.cat([log_q_top, outside.logsumexp(-1, keepdim=True)], dim=-1)
     return log_p, log_q
+
+
+def distribution_logprobs(pred: dict, temperature: float):
+    """(log p, log q) of a prediction (train/objective.py): full vocabulary, or top-k + tail bucket."""
+    if "topk_ids" in pred:
+        return topk_logprobs(pred["topk_logprobs"], pred["topk_ids"], pred["tail_mass"], pred["q_logits"], temperature)
+    return full_vocab_logprobs(pred["p_logits"], pred["q_logits"], temperature)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -17,16 +17,16 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from specdistill.errors import SpecdistillError
+from specdistill.train.export import check_d2t, check_eagle_weights, scale_embedding_half
 
 IGNORED = ("embed_tokens.weight", "model.embed_tokens.weight", "verifier_lm_head.weight")
 
 
 def read_released(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, tensors with vLLM's plain names) of a released/exported head directory."""
-    from safetensors.torch import load_file
-
     d = Path(path).expanduser()
     if not (d / "config.json").is_file():
         raise SpecdistillError(f"draft.init_from {path}: expected a directory with config.json and *.safetensors "
@@ -62,8 +62,6 @@ def check_fits(path, config: dict, target_config, what: str) -> None:
 
 
 def load_state(path, head, state: dict[str, torch.Tensor], what: str) -> None:
-    from specdistill.train.export import check_eagle_weights
-
     expected = {k: tuple(v.shape) for k, v in head.own_state_dict().items()}
     try:
         check_eagle_weights(Path(path), state, expected)
@@ -74,8 +72,6 @@ def load_state(path, head, state: dict[str, torch.Tensor], what: str) -> None:
 
 
 def warm_eagle(path, head, target_config) -> None:
-    from specdistill.train.export import scale_embedding_half
-
     config, state = read_released(path)
     check_fits(path, config, target_config, "EAGLE head")
     if "fc.bias" in state:
@@ -109,8 +105,6 @@ def warm_eagle3(path, head, target_config) -> None:
         if vd != vocab:
             raise SpecdistillError(f"draft.init_from {path}: no d2t but a draft vocabulary of {vd} < {vocab}")
         d2t = torch.zeros(vd, dtype=torch.long)
-    from specdistill.train.export import check_d2t
-
     ids = check_d2t(Path(path), d2t.long(), vocab)
     state.pop("aux_scale", None)
     load_state(path, head, {**state, "d2t": d2t.long(), "t2d": head.t2d, "aux_scale": head.aux_scale}, "EAGLE-3 head")

@@ -1,0 +1,69 @@
+"""The metrics every stage computes the same way (definitions: /work/shared/docs/metrics.md).
+
+Divergences between the target's p and the draft's q in log space (fkl = KL(p||q), rkl = KL(q||p),
+jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|), per position;
+the offline keys every checkpoint reports; Leviathan's tau for i.i.d. acceptance and the tau simulated
+from acceptance per draft depth.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAMES = ("fkl", "rkl", "jsd", "tvd")
+# The first-draft offline numbers (held out and on the eval prompts) the eval and the report read ...
+OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
+# ... and what else they read from the held-out metrics: distribution labels and per-depth acceptance.
+HELDOUT_EXTRA_KEYS = ("positions", "distribution", "labels", "vocab_coverage", "top1_at", "alpha_at", "positions_at",
+                      "simulated_tau", "simulated_tau_note")
+
+
+def kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """sum_x a (log a - log b) over the last axis; outcomes with a = 0 contribute 0 (no inf - inf)."""
+    a = log_a.exp()
+    terms = a * (log_a - log_b)
+    return torch.where(a > 0, terms, torch.zeros_like(terms)).sum(-1)
+
+
+def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: float = 0.5) -> dict:
+    """Per-position divergences [N] between two normalised log-distributions [N, V]."""
+    out = {}
+    for name in names:
+        if name == "fkl":
+            out[name] = kl(log_p, log_q)
+        elif name == "rkl":
+            out[name] = kl(log_q, log_p)
+        elif name == "jsd":
+            if beta in (0.0, 1.0):  # m = q (or p): both KL terms vanish
+                out[name] = torch.zeros(log_p.shape[:-1], dtype=log_p.dtype, device=log_p.device)
+                continue
+            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+            log_m = torch.where(log_p == log_q, log_p, log_m)  # m = p exactly where q = p (no rounding)
+            out[name] = beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
+        elif name == "tvd":
+            out[name] = tvd(log_p, log_q)
+        else:
+            raise ValueError(f"unknown loss term {name!r}; known: {', '.join(NAMES)}")
+    return out
+
+
+def leviathan_tau(alpha: float, k: int) -> float:
+    """Expected tokens per step for i.i.d. acceptance alpha and a chain of K drafted tokens."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def simulated_tau(alpha_at: list[float], k: int | None = None) -> float:
+    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (metrics.md); depths past the measured ones repeat the last one."""
+    k = len(alpha_at) if k is None else k
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= alpha_at[min(j, len(alpha_at) - 1)] if alpha_at else 0.0
+        total += run
+    return total

@@ -1,0 +1,47 @@
+"""Helpers only the tests use (not part of the pipeline)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from specdistill.eval.engine import SpeculativeDecoder
+from specdistill.eval.sampling import accept_mask, residual, sample
+from specdistill.train.eagle import EagleHead
+from specdistill.train.export import check_config_fits, check_eagle_weights, scale_embedding_half
+
+
+def decode_baseline(target_model, prompt_ids, max_new_tokens, temperature=0.0, generator=None, eos_ids=()):
+    """Plain autoregressive decoding through the engine (K = 0)."""
+    return SpeculativeDecoder(target_model, None, 0, eos_ids).decode(prompt_ids, max_new_tokens, temperature, generator)
+
+
+def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                       generator: torch.Generator | None = None, residual_fn=residual):
+    """One draft position, batched: p, q [B, V], draft [B] -> (token [B], accepted [B] bool).
+
+    `residual_fn` is a parameter only so the tests can show that a wrong rule fails them.
+    """
+    rows = torch.arange(draft.shape[0])
+    u = torch.rand(draft.shape, generator=generator)
+    accepted = accept_mask(p[rows, draft], q[rows, draft], u)
+    replacement = sample(residual_fn(p, q), generator)
+    return torch.where(accepted, draft, replacement), accepted
+
+
+
+def load_vllm_eagle(export_dir: Path, target_model):
+    """A vllm-eagle export read back: an EagleHead bound to the target's embedding and LM head."""
+    export_dir = Path(export_dir)
+    config = AutoConfig.from_pretrained(export_dir)
+    check_config_fits(export_dir / "config.json", config.to_dict(), target_model.config)
+    head = EagleHead(config)
+    state = load_file(export_dir / "model.safetensors")
+    check_eagle_weights(export_dir / "model.safetensors", state,
+                        {k: tuple(v.shape) for k, v in head.own_state_dict().items()})
+    state["fc.weight"] = scale_embedding_half(state["fc.weight"], target_model.config, fold=False)
+    head.load_own_state_dict(state)
+    head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
+    return head.eval()

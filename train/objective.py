@@ -1,0 +1,43 @@
+"""What DeepSpeed wraps: a draft kind's training objective around its head (specdistill/kinds/).
+
+An objective's forward takes a collated batch (data/cache_reader.py) and returns what the losses compare
+at the counted positions only: q_logits [M, V] and either p_logits [M, V] (full vocabulary) or
+topk_logprobs/topk_ids/tail_mass (a cached top-k); a kind adds what its own loss needs. With a
+`generator` it is a training forward (the kind's input noise and sampling on); without one it is the
+teacher-forced prediction the offline metrics measure. The head keeps its inference-time forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdistill.train import losses
+from specdistill.train.offline_metrics import first_draft_metrics
+
+
+def counted(batch: dict, key: str = "loss_mask") -> torch.Tensor:
+    """Trained (or otherwise marked) positions that are real tokens, not padding."""
+    return batch[key].bool() & batch["attention_mask"].bool()
+
+
+class Objective(nn.Module):
+    """The base: the head as its one submodule (what DeepSpeed trains and saves); the target's frozen
+    parts and the loss settings as plain attributes. The default loss is the distribution loss."""
+
+    feature_std: float | None = None  # EAGLE-1 sets its noise scale; recorded in draft_config.json
+
+    def __init__(self, head: nn.Module, parts, loss_cfg, data=None):
+        """data: the cached train split, for what a kind measures on it once (EAGLE-1's noise scale)."""
+        super().__init__()
+        self.head = head
+        self.parts = parts
+        self.loss_cfg = loss_cfg
+
+    def loss(self, pred: dict):
+        """(loss, {component: value}) for one micro batch."""
+        log_p, log_q = losses.distribution_logprobs(pred, self.loss_cfg.temperature)
+        return losses.mixed_loss(log_p, log_q, dict(self.loss_cfg.terms), self.loss_cfg.jsd_beta)
+
+    @torch.no_grad()
+    def offline_metrics(self, batches) -> dict:
+        return first_draft_metrics(self, batches)
