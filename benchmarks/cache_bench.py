@@ -18,19 +18,20 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
+
+from specdistill.data.cache import bytes_per_token, compute_shard, pad_batch, plan_batches, write_shard
+from specdistill.data.corpus import read_corpus
+from specdistill.data.tokenize import encode_chats
+from specdistill.kinds import KINDS
+from specdistill.recipe import CorpusConfig, TargetConfig
+from specdistill.target import load_target, load_tokenizer
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
-STORES = {"eagle": ["hidden_last"], "eagle3": ["hidden_aux", "hidden_last"], "draft_lm": ["topk"]}
+STORES = {name: kind.STORE for name, kind in KINDS.items()}  # what each draft kind caches
 
 
 def corpus_batches(tokenizer, rows: int, batch_tokens: int):
-    from datasets import Dataset
-
-    from specdistill.data.cache import plan_batches
-    from specdistill.data.corpus import read_corpus
-    from specdistill.data.tokenize import encode_chats
-    from specdistill.recipe import CorpusConfig
-
     _, items, _ = read_corpus(CorpusConfig(path=str(DATA), format="columns", max_rows=rows,
                                            columns={"user": "question", "assistant": "answer"}))
     encoded = encode_chats(tokenizer, [conv for _, conv in items])
@@ -41,8 +42,6 @@ def corpus_batches(tokenizer, rows: int, batch_tokens: int):
 
 @torch.inference_mode()
 def plain_forward_seconds(model, ds, lengths, batches) -> float:
-    from specdistill.data.cache import pad_batch
-
     padded = [pad_batch([ds[i]["input_ids"] for i in b], "cpu") for b in batches]
     model(input_ids=padded[-1][0], attention_mask=padded[-1][1])  # warm-up on the smallest batch
     t0 = time.perf_counter()
@@ -52,8 +51,6 @@ def plain_forward_seconds(model, ds, lengths, batches) -> float:
 
 
 def cache_seconds(model, ds, lengths, settings: dict, out_dir: Path) -> tuple[float, int]:
-    from specdistill.data.cache import compute_shard, write_shard
-
     everything = range(len(lengths))
     compute_shard(model, ds, range(0, 1), lengths, settings)  # warm-up
     t0 = time.perf_counter()
@@ -63,10 +60,6 @@ def cache_seconds(model, ds, lengths, settings: dict, out_dir: Path) -> tuple[fl
 
 
 def main(argv=None) -> dict:
-    from specdistill.data.cache import bytes_per_token
-    from specdistill.recipe import TargetConfig
-    from specdistill.target import load_target, load_tokenizer
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--batch-tokens", type=int, default=4096)

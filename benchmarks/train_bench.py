@@ -11,19 +11,17 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import specdistill.recipe
+from specdistill.train import launch
+from tests.conftest import tiny_model
+from tests.test_train import make_recipe, read_log, write_cache
+
 
 def _median_tokens_per_s(run_dir: Path) -> float:
-    from tests.test_train import read_log
-
     return statistics.median(r["tokens_per_s"] for r in read_log(run_dir)[1:])
 
 
 def main() -> None:
-    import specdistill.recipe
-    from specdistill.train import launch
-    from tests.conftest import tiny_model
-    from tests.test_train import make_recipe, write_cache
-
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
+from specdistill.target import pypi_asset
 
 SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".txt"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -61,8 +62,6 @@ def is_local_spec(path: str) -> bool:
 def resolve_files(path: str) -> list[Path]:
     """corpus.path -> the local data files it names (a file, a directory or a glob)."""
     if path.startswith("pypi:"):
-        from specdistill.target import pypi_asset
-
         return [pypi_asset(path)]
     p = Path(path).expanduser()
     if any(c in path for c in "*?["):
@@ -183,23 +182,23 @@ def read_json(file: Path, stats: ReadStats, on_bad_row: str):
             yield f"{file.name}[{record - 1}]", obj
 
 
-def read_table(file: Path, kind: str):
+def read_table(file: Path, table_format: str):
     """Parquet and CSV through datasets' readers (streamed, so max_rows stops early)."""
     from datasets import load_dataset
 
     try:
-        ds = load_dataset(kind, data_files=str(file), split="train", streaming=True)
+        ds = load_dataset(table_format, data_files=str(file), split="train", streaming=True)
     except Exception as e:  # datasets raises many types; the user needs the file and the reason
-        raise SpecdistillError(f"{file}: cannot read as {kind} ({str(e).splitlines()[0]})") from None
+        raise SpecdistillError(f"{file}: cannot read as {table_format} ({str(e).splitlines()[0]})") from None
     try:
         for i, record in enumerate(ds):
             yield f"{file.name}[{i}]", record
     except SpecdistillError:
         raise
     except Exception as e:
-        if kind == "csv" and first_bad_utf8(file) is not None:
+        if table_format == "csv" and first_bad_utf8(file) is not None:
             raise not_utf8_error(file) from None
-        raise SpecdistillError(f"{file}: cannot read as {kind} ({str(e).splitlines()[0]})") from None
+        raise SpecdistillError(f"{file}: cannot read as {table_format} ({str(e).splitlines()[0]})") from None
 
 
 def read_text(file: Path):

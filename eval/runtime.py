@@ -31,24 +31,24 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.target import DTYPES
+from specdistill.target import DTYPES, SHORT_DTYPE
 
 STATIC_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-KINDS = ("eager", "static")
+FAMILIES = ("eager", "static")
 
 
-def runtime_name(kind: str, dtype: str) -> str:
-    return f"{kind}-{ {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16'}[dtype] }"
+def runtime_name(family: str, dtype: str) -> str:
+    return f"{family}-{SHORT_DTYPE[dtype]}"
 
 
 def parse_runtime(name: str) -> tuple[str, str]:
     """'static-bf16' -> ('static', 'bfloat16')."""
-    short = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    kind, _, dt = name.partition("-")
-    if kind not in KINDS or dt not in short:
+    long = {short: dtype for dtype, short in SHORT_DTYPE.items()}
+    family, _, dt = name.partition("-")
+    if family not in FAMILIES or dt not in long:
         raise SpecdistillError(f"eval.runtime {name!r}: expected one of "
-                               f"{', '.join(k + '-' + d for k in KINDS for d in short)}")
-    return kind, short[dt]
+                               f"{', '.join(f + '-' + d for f in FAMILIES for d in long)}")
+    return family, long[dt]
 
 
 def resolve_runtime_name(name: str, config) -> str:
@@ -68,9 +68,9 @@ def _static_supports(config) -> bool:
 def make_runtime(model, name: str):
     """The target `model` wrapped in runtime `name` (or `auto`), its weights cast to the runtime's dtype (in place)."""
     name = resolve_runtime_name(name, model.config)
-    kind, dtype = parse_runtime(name)
+    family, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
-    if kind == "static":
+    if family == "static":
         if not _static_supports(model.config):
             raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
                                    f"without sliding-window attention, not this '{model.config.model_type}'; "

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage is None:
         build_parser().print_help()
         return 2
-    from specdistill.recipe import load_recipe
+    from specdistill.recipe import load_recipe  # deferred: it imports torch; `--help` should answer at once
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)

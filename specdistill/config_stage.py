@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import yaml
 
+from specdistill import layout
 from specdistill.recipe import recipe_dump
 
 
@@ -15,8 +16,6 @@ def resolved_yaml(recipe) -> str:
 
 
 def run(recipe, args=None) -> str:
-    from specdistill import layout
-
     text = resolved_yaml(recipe)
     text += (f"# recipe file: {recipe.source}\n"
              f"# run directory: {recipe.run_dir}\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from specdistill.errors import SpecdistillError
 from specdistill.kinds import draft_lm, eagle, eagle3
@@ -152,7 +152,7 @@ def _tree_kind(tree) -> str:
     """`kind` may be left out: `total_tokens` present means dynamic."""
     if isinstance(tree, dict):
         return tree.get("kind", "dynamic" if "total_tokens" in tree else "static")
-    return getattr(tree, "kind", None)  # a validated tree, or not a mapping at all (refused by the union)
+    return tree.kind if isinstance(tree, Section) else None  # a validated tree; None: refused by the union
 
 
 TreeConfig = Annotated[Annotated[StaticTree, Tag("static")] | Annotated[DynamicTree, Tag("dynamic")],

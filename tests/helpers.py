@@ -9,8 +9,17 @@ from transformers import AutoConfig
 
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.sampling import accept_mask, residual, sample
+from specdistill.recipe import load_recipe
 from specdistill.train.eagle import EagleHead
 from specdistill.train.export import check_config_fits, check_eagle_weights, scale_embedding_half
+
+
+def tiny_recipe(tmp_path: Path, target_dir: Path, eval_section: str = "{k: 3}"):
+    """An EAGLE-1 run named `tiny` over the tiny target, as the eval and export tests use it."""
+    recipe_file = tmp_path / "tiny.yaml"
+    recipe_file.write_text(f"run_name: tiny\ntarget: {{path: {target_dir}}}\ncorpus: {{path: unused.jsonl}}\n"
+                           f"draft: {{kind: eagle}}\ntrain: {{max_steps: 2, save_every: 1}}\neval: {eval_section}\n")
+    return load_recipe(recipe_file)
 
 
 def decode_baseline(target_model, prompt_ids, max_new_tokens, temperature=0.0, generator=None, eos_ids=()):

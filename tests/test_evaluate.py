@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import evaluate
 from specdistill.eval.prompts import load_prompts
 from specdistill.formats import write_checkpoint
-from specdistill.recipe import load_recipe
+from tests.helpers import tiny_recipe
 from specdistill.target import load_target, load_tokenizer
 from specdistill.train.eagle import EagleHead
 
@@ -37,15 +36,8 @@ def setup(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"category": c, "turns": [q, "second turn"]}) + "\n" for c, q in QUESTIONS))
-    recipe_file = tmp_path / "tiny.yaml"
-    recipe_file.write_text(f"""run_name: tiny
-target: {{path: {tiny_target_dir}}}
-corpus: {{path: unused.jsonl}}
-draft: {{kind: eagle}}
-train: {{max_steps: 2, save_every: 1}}
-eval: {{prompts: {prompts}, num_prompts: 3, max_new_tokens: 12, k: 3, k_sweep: [1, 2], temperature: [0, 1]}}
-""")
-    recipe = load_recipe(recipe_file)
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, f"{{prompts: {prompts}, num_prompts: 3, max_new_tokens: 12, k: 3, "
+                                                     "k_sweep: [1, 2], temperature: [0, 1]}")
     return recipe, load_target(recipe.target)
 
 

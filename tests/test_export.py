@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdistill.formats import write_checkpoint
 from specdistill.kinds import draft_lm, load_draft
-from tests.helpers import load_vllm_eagle
+from tests.helpers import load_vllm_eagle, tiny_recipe
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import load_recipe
@@ -58,15 +58,7 @@ def vllm_param_name(checkpoint_name: str) -> str:
 @pytest.fixture()
 def setup(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
-    recipe_file = tmp_path / "tiny.yaml"
-    recipe_file.write_text(f"""run_name: tiny
-target: {{path: {tiny_target_dir}}}
-corpus: {{path: unused.jsonl}}
-draft: {{kind: eagle}}
-train: {{max_steps: 2, save_every: 1}}
-eval: {{k: 3}}
-""")
-    recipe = load_recipe(recipe_file)
+    recipe = tiny_recipe(tmp_path, tiny_target_dir)
     target = load_target(recipe.target)
     return recipe, target
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from specdistill import metrics
 from specdistill.train import losses
 
 P = [0.5, 0.3, 0.2]
@@ -15,7 +16,7 @@ def logs(*rows):
 
 
 def test_each_divergence_matches_hand_computation():
-    d = losses.divergences(logs(P), logs(Q), beta=0.5)
+    d = metrics.divergences(logs(P), logs(Q), beta=0.5)
     fkl = sum(p * math.log(p / q) for p, q in zip(P, Q))
     rkl = sum(q * math.log(q / p) for p, q in zip(P, Q))
     M = [(p + q) / 2 for p, q in zip(P, Q)]
@@ -29,7 +30,7 @@ def test_each_divergence_matches_hand_computation():
 
 def test_jsd_beta_weights_the_mixture():
     beta = 0.2
-    d = losses.divergences(logs(P), logs(Q), ("jsd",), beta=beta)
+    d = metrics.divergences(logs(P), logs(Q), ("jsd",), beta=beta)
     M = [beta * p + (1 - beta) * q for p, q in zip(P, Q)]
     want = beta * sum(p * math.log(p / m) for p, m in zip(P, M)) + (1 - beta) * sum(q * math.log(q / m) for q, m in zip(Q, M))
     assert d["jsd"].item() == pytest.approx(want, abs=1e-12)
@@ -37,7 +38,7 @@ def test_jsd_beta_weights_the_mixture():
 
 def test_zero_when_q_equals_p_even_with_zero_probabilities():
     lp = torch.tensor([[0.0, -math.inf, -math.inf], [-0.5, -1.2, -2.0]]).log_softmax(-1)
-    for name, v in losses.divergences(lp, lp.clone()).items():
+    for name, v in metrics.divergences(lp, lp.clone()).items():
         assert torch.all(v == 0), name
 
 
@@ -69,7 +70,7 @@ def test_topk_with_tail_bucket_by_hand():
     log_p, log_q = losses.topk_logprobs(topk_lp, topk_ids, tail, q.log())
     assert torch.allclose(log_p.exp(), torch.tensor([[0.6, 0.3, 0.1]]), atol=1e-6)
     assert torch.allclose(log_q.exp(), torch.tensor([[0.4, 0.1, 0.5]]), atol=1e-6)
-    d = losses.divergences(log_p, log_q)
+    d = metrics.divergences(log_p, log_q)
     want = 0.6 * math.log(0.6 / 0.4) + 0.3 * math.log(0.3 / 0.1) + 0.1 * math.log(0.1 / 0.5)
     assert d["fkl"].item() == pytest.approx(want, abs=1e-5)
     assert d["tvd"].item() == pytest.approx(0.5 * (0.2 + 0.2 + 0.4), abs=1e-6)
@@ -80,18 +81,18 @@ def test_topk_zero_when_draft_matches_and_tail_empty():
     lp = logits.log_softmax(-1)
     top = lp.topk(4)
     log_p, log_q = losses.topk_logprobs(top.values, top.indices, torch.tensor([0.0]), logits)
-    d = losses.divergences(log_p, log_q)
+    d = metrics.divergences(log_p, log_q)
     assert all(v.abs().item() < 1e-6 for v in d.values())
     top2 = lp.topk(2)  # with a non-empty tail bucket too
     tail = 1 - top2.values.exp().sum(-1)
-    d2 = losses.divergences(*losses.topk_logprobs(top2.values, top2.indices, tail, logits))
+    d2 = metrics.divergences(*losses.topk_logprobs(top2.values, top2.indices, tail, logits))
     assert all(v.abs().item() < 1e-6 for v in d2.values())
 
 
 def test_large_logits_stay_finite():
     p = torch.tensor([[1000.0, -1000.0, 0.0]])
     q = torch.tensor([[-1000.0, 1000.0, 0.0]])
-    d = losses.divergences(*losses.full_vocab_logprobs(p, q))
+    d = metrics.divergences(*losses.full_vocab_logprobs(p, q))
     assert all(torch.isfinite(v).all() for v in d.values())
     assert d["tvd"].item() == pytest.approx(1.0)
 

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import recipe_dump
 from specdistill.train.ds_config import build_ds_config
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from specdistill.train.loop import _free_port, train
 
 
 def write_run_files(recipe) -> Path:
@@ -31,9 +29,9 @@ def write_run_files(recipe) -> Path:
     run_dir = recipe.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     world = recipe.train.num_gpus * recipe.train.num_nodes
-    _write_atomic(run_dir / "ds_config.json", json.dumps(build_ds_config(recipe.train, world), indent=1))
+    write_text_atomic(run_dir / "ds_config.json", json.dumps(build_ds_config(recipe.train, world), indent=1))
     resolved = run_dir / "train_recipe.yaml"
-    _write_atomic(resolved, yaml.safe_dump(recipe_dump(recipe), sort_keys=False))
+    write_text_atomic(resolved, yaml.safe_dump(recipe_dump(recipe), sort_keys=False))
     return resolved
 
 
@@ -47,8 +45,6 @@ def launcher_command(recipe, resolved: Path, stop_after: int | None = None) -> l
         if not Path(tc.hostfile).is_file():
             raise SpecdistillError(f"train.hostfile {tc.hostfile}: no such file")
         cmd += ["--hostfile", tc.hostfile]
-    from specdistill.train.loop import _free_port
-
     cmd += ["--master_port", str(_free_port()), "--module", "specdistill.train.loop", "--recipe", str(resolved)]
     if stop_after is not None:
         cmd += ["--stop_after", str(stop_after)]
@@ -100,8 +96,6 @@ def check_rerun(recipe) -> None:
 def restart(run_dir: Path) -> None:
     """--restart: remove what training and the stages after it wrote (checkpoints, logs, best, eval, report, export);
     the prepared corpus and the cache stay."""
-    import shutil
-
     for p in list(run_dir.glob("step-*")) + [layout.tb_dir(run_dir), layout.eval_dir(run_dir), run_dir / "export"]:
         shutil.rmtree(p, ignore_errors=True)
     for name in ("train_log.jsonl", "best.json", "report.md", "train_recipe.yaml"):
@@ -120,8 +114,6 @@ def run(recipe, args=None, stop_after: int | None = None):
     check_rerun(recipe)
     resolved = write_run_files(recipe)
     if in_process(recipe):
-        from specdistill.train.loop import train
-
         history = train(recipe, stop_after=stop_after)
     else:
         env = dict(os.environ)
@@ -134,7 +126,7 @@ def run(recipe, args=None, stop_after: int | None = None):
         history = None
     last = layout.checkpoints(recipe.run_dir)
     if last:
-        held = json.loads((last[-1] / "metrics.json").read_text()).get("heldout", {})
+        held = (read_metrics(last[-1]) or {}).get("heldout", {})
         alpha = held.get("predicted_alpha")
         print(f"train: last checkpoint {last[-1]}"
               + (f"; held-out predicted_alpha {alpha:.4f}, top1 {held['top1']:.4f}, fkl {held['fkl']:.4f}"
@@ -143,6 +135,4 @@ def run(recipe, args=None, stop_after: int | None = None):
 
 
 def _has_gpu() -> bool:
-    import torch
-
     return torch.cuda.is_available()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdistill.metrics import NAMES, divergences  # noqa: F401  (the losses are these divergences)
+from specdistill.metrics import divergences
 
 
 def full_vocab_logprobs(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float = 1.0):

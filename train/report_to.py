@@ -8,6 +8,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from specdistill.recipe import recipe_dump
+
 
 def _flat(tree, prefix: str = "") -> dict:
     out = {}
@@ -22,8 +24,6 @@ def _flat(tree, prefix: str = "") -> dict:
 class Reporters:
     def __init__(self, recipe, tb_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
-
-        from specdistill.recipe import recipe_dump
 
         self.tb = SummaryWriter(str(tb_dir))
         self.wandb = self.mlflow = None

@@ -40,8 +40,8 @@ EAGLE_DEPTHS = 3  # drafting unrolled this deep on the held-out split (EAGLE-3 u
 
 class Config(Section):
     kind: Literal["eagle"]
-    init_from: str | None = Field(None, description="a released head to continue training (vllm-eagle or "
-                                  "speculators dir; train/warm_start.py)")
+    init_from: str | None = Field(None, description="a released head to continue training (a vllm-eagle, "
+                                  "vllm-eagle3 or speculators dir; train/warm_start.py)")
     init_layer_from_target: bool = Field(True, description="start the head's (Llama-style) decoder layer from "
                                          "the target's last layer where shapes fit (o_proj, MLP, norms)")
 
@@ -68,11 +68,13 @@ def owns(module) -> bool:
     return isinstance(module, EagleHead)
 
 
-def checkpoint_config(head: EagleHead) -> dict:
+def checkpoint_config(head) -> dict:
+    """The head's config as draft_config.json keeps it (EAGLE-3 heads are stored alike)."""
     return json.loads(head.config.to_json_string())
 
 
-def own_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
+def own_state_dict(head) -> dict[str, torch.Tensor]:
+    """The head's own tensors under vLLM's names (EAGLE-3 heads are stored alike)."""
     return head.own_state_dict()
 
 

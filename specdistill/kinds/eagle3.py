@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import torch
@@ -20,9 +19,9 @@ from transformers import AutoConfig
 from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime import StaticEagle3Head
 from specdistill.eval.sampling import probs_from_logits, sample
-from specdistill.kinds.eagle import EagleDrafter
+from specdistill.kinds import eagle
+from specdistill.kinds.eagle import EagleDrafter, checkpoint_config, own_state_dict  # noqa: F401  (stored alike)
 from specdistill.metrics import divergences, simulated_tau
-from specdistill.section import Section
 from specdistill.target import read_target_tensors, target_logits_from_hidden, vocab_size_of
 from specdistill.train import losses, objective
 from specdistill.train.eagle import init_layer_from_target
@@ -40,12 +39,9 @@ PROMPTS_FKL_NOTE = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outsi
 DEFAULT_DRAFT_VOCAB = 32000
 
 
-class Config(Section):
+class Config(eagle.Config):
+    """EAGLE-1's keys (a released head to continue from, the layer's start) and the EAGLE-3 ones."""
     kind: Literal["eagle3"]
-    init_from: str | None = Field(None, description="a released head to continue training (vllm-eagle3 or "
-                                  "speculators dir; train/warm_start.py)")
-    init_layer_from_target: bool = Field(True, description="start the head's (Llama-style) decoder layer from "
-                                         "the target's last layer where shapes fit (o_proj, MLP, norms)")
     draft_vocab_size: int | None = Field(None, ge=16, description=f"default {DEFAULT_DRAFT_VOCAB} (at most the target's)")
     ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
 
@@ -99,14 +95,6 @@ def build(recipe, parts, data=None) -> Eagle3Head:
 
 def owns(module) -> bool:
     return isinstance(module, Eagle3Head)
-
-
-def checkpoint_config(head: Eagle3Head) -> dict:
-    return json.loads(head.config.to_json_string())
-
-
-def own_state_dict(head: Eagle3Head) -> dict[str, torch.Tensor]:
-    return head.own_state_dict()
 
 
 def load(config: dict, state: dict[str, torch.Tensor], target_model) -> Eagle3Head:
