@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from specdistill.data.cache import bytes_per_token, compute_shard, pad_batch, plan_batches, write_shard
+from specdistill.data.cache import bytes_per_token, compute_shard, pad_batch, plan_batches
+from specdistill.formats import write_shard
 from specdistill.data.corpus import read_corpus
 from specdistill.data.tokenize import encode_chats
 from specdistill.kinds import KINDS

@@ -26,7 +26,7 @@ from specdistill import kinds
 from specdistill.data.prepare import SPLITS, corpus_settings, fingerprint, load_prepared
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_manifest, write_json_atomic, write_manifest
+from specdistill.formats import read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
                                 load_tokenizer, resolve_target)
@@ -168,30 +168,6 @@ def compute_shard(model, split_ds, indices: range, lengths: list[int], settings:
     if bar is not None and not settings["store"]:
         bar.update(sum(local_lengths))
     return tensors
-
-
-# ---------------------------------------------------------------------------------------- files
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_shard(path: Path, tensors: dict) -> dict:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
-            "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}.safetensors"
 
 
 # ---------------------------------------------------------------------------------------- manifest

@@ -1,25 +1,25 @@
-"""Speculative decoding in one file (gpt-fast style): a target, a draft, two KV caches, one loop.
+"""Speculative decoding in one file (gpt-fast style): a target, a drafter, two KV caches, one loop.
 
 Conventions (docs/DESIGN.md): `seq[0..n-1]` are the committed tokens, prompt included. The target's
 KV cache always holds seq[0..n-2]; the last committed token is *pending*: it is the first input of
 the next verification forward. Prefill therefore runs the prompt minus its last token, and every
 generated token, the first one included, comes out of a verification step.
 
-One step:
-  1. the draft proposes K tokens d1..dK (a chain) from seq[:n];
-  2. the target runs [pending, d1..dK] in ONE forward -> K+1 next-token distributions;
-  3. accept left to right (greedy match at T=0, min(1, p/q) at T>0), then the target adds one
-     token of its own (correction or bonus);
-  4. both caches are cropped back to the committed prefix.
+One step of `decode_loop`, whatever is drafted:
+  1. the stepper drafts from seq[:n] (a chain of K tokens here, a tree in eval/tree.py);
+  2. it has the target verify them in ONE forward and says what is accepted (greedy match at T=0,
+     min(1, p/q) at T>0 for a chain), then the target adds one token of its own (correction or bonus);
+  3. the loop cuts at an EOS, commits, keeps the accepted rows of the target's cache and drops the rest,
+     and counts per draft depth.
 
 Plain autoregressive decoding is the same loop with `NoDraft` (K = 0), so the baseline shares every
 line of cache and sampling code with speculative decoding.
 
-Drafts implement `reset()` and `propose(seq, n, new_features, k, temperature, generator) ->
-(tokens [k'], q [k', V] or None)` with k' <= k; `new_features` are what the draft's
-`features(hidden_states)` picks from the target's forward (EAGLE: the last hidden state, post final
-norm; EAGLE-3: the aux-layer states) for the positions the target cached since the previous call, or
-None when the draft reads none (`needs_features = False`).
+Drafters (made by each draft kind, specdistill/kinds/) implement `reset()` and
+`propose(seq, n, new_features, k, temperature, generator) -> (tokens [k'], q [k', V] or None)` with
+k' <= k; `new_features` are what the drafter's `features(hidden_states)` picks from the target's forward
+(EAGLE: the last hidden state, post final norm; EAGLE-3: the aux-layer states) for the positions the
+target cached since the previous call, or None when it reads none (`needs_features = False`).
 """
 from __future__ import annotations
 

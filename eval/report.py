@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.evaluate import eval_settings
-from specdistill.formats import checkpoint_fingerprint, read_eval
+from specdistill.formats import checkpoint_fingerprint, read_eval, write_text_atomic
 from specdistill.metrics import OFFLINE_KEYS, leviathan_tau, simulated_tau
 
 COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
@@ -367,7 +368,7 @@ def tau_points(e: dict, r: dict) -> list[tuple[int, float]]:
 # ----------------------------------------------------------------------------------------- plots
 
 def new_figure(ncols: int = 1):
-    import matplotlib
+    import matplotlib  # deferred: slow to import, and only the report draws
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -377,8 +378,6 @@ def new_figure(ncols: int = 1):
 
 
 def save_figure(fig, path: Path, footer: str) -> Path:
-    import textwrap
-
     import matplotlib.pyplot as plt
 
     wrapped = "\n".join(textwrap.wrap(footer, int(fig.get_figwidth() * 17)))  # ~chars per line at 6.5 pt
@@ -578,9 +577,7 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str) -> tu
         "time_split.png": plot_time_split(evals, many, out_dir / "time_split.png", footer),
     }
     text = render(runs, evals, many, best, headline, footer, command, figures)
-    tmp = out_dir / f".report.md.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, out_dir / "report.md")
+    write_text_atomic(out_dir / "report.md", text)
     return out_dir / "report.md", headline
 
 

@@ -2,7 +2,7 @@
 fixtures alike, so that nothing re-encodes a format by hand. Paths come from specdistill/layout.py.
 
   corpus summary   corpus/summary.json                      (data/prepare.py writes the DatasetDict beside it)
-  cache manifest   cache/manifest.json                      (data/cache.py writes the shards it lists)
+  cache            cache/manifest.json, cache/<split>/shard-NNNNN.safetensors
   checkpoint       step-XXXXXXX/{draft.safetensors, draft_config.json, metrics.json, COMPLETE}
                    (train/checkpoint.py adds ds/, DeepSpeed's own state)
   eval result      eval/<checkpoint>.json
@@ -63,6 +63,32 @@ def read_manifest(cache_dir: Path) -> dict | None:
     """The cache's manifest, None where there is none (no cache yet)."""
     path = Path(cache_dir) / "manifest.json"
     return read_json(path) if path.exists() else None
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """One cache shard (whole sequences on a flat token axis, with `seq_lens`), written under a temp name
+    and renamed; returns its manifest entry."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
+            "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------------

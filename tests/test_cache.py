@@ -17,6 +17,7 @@ from specdistill.data.cache_reader import CacheDataset, collate
 from specdistill.data.prepare import prepare_corpus, write_prepared
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_manifest
 from specdistill.recipe import REPO_ROOT, Recipe, TargetConfig
 
 DATA = Path("/work/shared/data")
@@ -59,7 +60,7 @@ def prepared(tmp_path, recipe, tokenizer) -> Path:
 
 
 def shard_checksums(cache: Path) -> dict:
-    m = json.loads((cache / "manifest.json").read_text())
+    m = read_manifest(cache)
     return {s: [sh["sha256"] for sh in m["splits"][s]["shards"]] for s in m["splits"]}
 
 
@@ -133,7 +134,7 @@ build_cache(recipe, sys.argv[2], sys.argv[3])
 def landed(cache: Path) -> bool:
     """True once the manifest lists a finished shard (it is replaced atomically, so always whole)."""
     try:
-        return bool(json.loads((cache / "manifest.json").read_text())["splits"]["train"]["shards"])
+        return bool(read_manifest(cache)["splits"]["train"]["shards"])
     except FileNotFoundError:
         return False
 
@@ -155,7 +156,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, tiny):
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    manifest = json.loads((killed / "manifest.json").read_text())
+    manifest = read_manifest(killed)
     assert not manifest["complete"], "the run finished before it could be killed; the test proves nothing"
 
     m = build_cache(recipe, corpus, killed, model=model, tokenizer=tokenizer)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from specdistill.formats import read_manifest
+
 pytestmark = pytest.mark.slow
 
 # The default recipe (EAGLE-3, what `make distill` runs) and the EAGLE-1 one.
@@ -29,7 +31,7 @@ def test_make_distill_pipeline_on_default_target(tmp_path, recipe):
     for stage in ["prepare", "cache", "train", "eval", "report", "export"]:
         specdistill(recipe, stage, env)
     run = tmp_path / "e2e"
-    manifest = json.loads((run / "cache" / "manifest.json").read_text())
+    manifest = read_manifest(run / "cache")
     assert manifest["hidden_size"] == 576
     steps = sorted(p.name for p in run.glob("step-*"))
     assert steps == ["step-0000003", "step-0000006"]

@@ -72,21 +72,21 @@ def test_padding_does_not_change_real_positions():
 
 def add_aux_states(run_dir, target_dir, aux_layers):
     """Extend a test cache (tests/test_train.write_cache) with hidden_aux, as the cache stage stores it."""
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from specdistill import layout
+    from specdistill.formats import read_shard, write_shard
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     for shard in sorted(layout.cache_dir(run_dir).glob("*/shard-*.safetensors")):
-        tensors = load_file(str(shard))
+        tensors = read_shard(shard)
         aux = []
         for ids in tensors["input_ids"].long().split(tensors["seq_lens"].tolist()):
             with torch.no_grad():
                 hs = model(ids[None], output_hidden_states=True).hidden_states
             aux.append(torch.stack([hs[i][0] for i in aux_layers], dim=1))
         tensors["hidden_aux"] = torch.cat(aux).contiguous()
-        save_file(tensors, str(shard))
+        write_shard(shard, tensors)
 
 
 def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_dir, monkeypatch):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specdistill.cli import main
+from specdistill.formats import read_manifest
 from tests.test_other_targets import CHAT
 
 
@@ -25,7 +26,7 @@ def run(tmp_path, target_dir, kind: str, mode: str) -> tuple[list[dict], dict, d
         assert main([stage, "--recipe", str(recipe), f"run_name={name}"]) == 0, stage
     run_dir = tmp_path / "runs" / name
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
-    manifest = json.loads((run_dir / "cache" / "manifest.json").read_text())
+    manifest = read_manifest(run_dir / "cache")
     metrics = json.loads((run_dir / "step-0000003" / "metrics.json").read_text())["heldout"]
     return log, manifest, metrics
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from specdistill import layout
-from specdistill.formats import read_draft_config
+from specdistill.formats import read_draft_config, shard_name, write_manifest, write_shard
 from specdistill.kinds import draft_lm, eagle3, load_draft
 from specdistill.kinds import eagle as eagle_kind
 from specdistill.metrics import simulated_tau
@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def write_cache(run_dir: Path, target_dir: Path, n_train=6, n_heldout=3, k=8, seed=0, nan_sequence=None):
     """A cache with hidden_last and top-k for both splits, one shard each, per docs/DESIGN.md."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
@@ -60,10 +59,9 @@ def write_cache(run_dir: Path, target_dir: Path, n_train=6, n_heldout=3, k=8, se
         tensors = {key: torch.cat(v).contiguous() for key, v in cols.items()}
         tensors["seq_lens"] = torch.tensor(lens, dtype=torch.int64)
         (cache / split).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(cache / split / "shard-00000.safetensors"))
-        manifest["splits"][split] = {"sequences": n, "tokens": sum(lens),
-                                     "shards": [{"file": "shard-00000.safetensors", "sequences": n, "tokens": sum(lens)}]}
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+        shard = write_shard(cache / split / shard_name(0), tensors)
+        manifest["splits"][split] = {"sequences": n, "tokens": sum(lens), "shards": [shard]}
+    write_manifest(cache, manifest)
 
 
 def make_recipe(tmp_path, target_dir, run_name, kind="eagle", **train):

@@ -15,8 +15,6 @@ import json
 from typing import Literal
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
 from pydantic import Field
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,6 +124,9 @@ def build_model(draft_cfg: Config, target_config, target_dir):
         _copy_matching(model, source)
         model.tie_weights()
     if draft_cfg.lora is not None:
+        from peft import LoraConfig as PeftLoraConfig  # deferred: slow to import, and only LoRA runs need it
+        from peft import get_peft_model
+
         lora = draft_cfg.lora
         model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))

@@ -22,10 +22,9 @@ from specdistill.eval.sampling import pick, stack_draws
 from specdistill.metrics import simulated_tau
 from specdistill.section import Section
 from specdistill.target import check_same_vocab, target_logits_from_hidden
-from specdistill.train import losses
+from specdistill.train import losses, objective
 from specdistill.train.eagle import EagleHead, init_layer_from_target
 from specdistill.train.eagle3 import ttt_mask
-from specdistill.train import objective
 from specdistill.train.objective import counted
 from specdistill.train.warm_start import warm_eagle
 
@@ -87,6 +86,14 @@ def load(config: dict, state: dict[str, torch.Tensor], target_model) -> EagleHea
 
 # ---- training objective -----------------------------------------------------------------------------
 
+def teacher_forced(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """EAGLE's alignment: head row t reads (token t+1, the target's feature at t) and predicts the feature
+    at t+1. ids [B, T], features [B, T-1, H] (rows 0..T-2) -> [B, T-1, H]."""
+    B, T = ids.shape
+    positions = torch.arange(T - 1, device=ids.device).expand(B, -1)
+    return head(ids[:, 1:], features, positions, None, None if attention_mask is None else attention_mask[:, 1:])
+
+
 def feature_std(data) -> float:
     """Std of the cached features of the first 8 sequences (deterministic): EAGLE's noise scale."""
     return torch.cat([data[i]["hidden_last"].float().flatten(1) for i in range(min(8, len(data)))]).std().item()
@@ -108,8 +115,7 @@ class Objective(objective.Objective):
         if noise > 0:  # EAGLE's uniform noise on the input features, half-width noise * feature std
             u = torch.rand(feats.shape, generator=generator, dtype=torch.float32).to(feats.device, feats.dtype)
             feats = feats + (2 * u - 1) * (noise * self.feature_std)
-        positions = torch.arange(T - 1, device=ids.device).expand(B, -1)
-        f_hat = self.head(ids[:, 1:], feats, positions, None, batch["attention_mask"][:, 1:])
+        f_hat = teacher_forced(self.head, ids, feats, batch["attention_mask"])
         # output t predicts f[t+1]; its token t+2 must be trained
         kept = torch.zeros(B, T - 1, dtype=torch.bool, device=ids.device)
         kept[:, :-1] = counted(batch)[:, 2:]
@@ -245,5 +251,5 @@ def prompt_logits(head: EagleHead, target_model, seq: torch.Tensor):
     t+2 = target row t+1; row 0 has no draft prediction (zeros)."""
     out = target_model(seq, output_hidden_states=True)
     p_logits = out.logits[0]
-    q = head.logits(head(seq[:, 1:], out.hidden_states[-1][:, :-1])[0])
+    q = head.logits(teacher_forced(head, seq, out.hidden_states[-1][:, :-1])[0])
     return p_logits, torch.cat([torch.zeros_like(p_logits[:1]), q.to(p_logits.dtype)])
