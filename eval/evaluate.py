@@ -165,19 +165,19 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
 
     A warm-up decode of each decoder runs first; within a prompt the baseline runs first on even prompts and
     after the speculative runs on odd ones, so whatever a run leaves behind (caches, clocks) favours neither."""
-    baseline, engine, tree = decoders.baseline, decoders.chain, decoders.tree
+    baseline, chain, tree = decoders.baseline, decoders.chain, decoders.tree
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
     if prompts:
-        warm_up([baseline, engine, tree if temperature == 0 else None], prompts[0].ids, temperature)
+        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
         if base_first:
             base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         for k in ks:
-            spec_runs[k].append(engine.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+            spec_runs[k].append(chain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
         if not base_first:
             base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)

@@ -44,6 +44,11 @@ def test_overrides_apply_with_yaml_values(tmp_path):
     ("train: {max_steps: ten, save_every: 5}", "key 'train.max_steps'"),
     ("train: {save_every: 5}", "missing required key 'train.max_steps'"),
     ("draft: {kind: medusa}", "key 'draft.kind'"),
+    ("draft: {kind: eagle, ttt_steps: 3}", "unknown key 'draft.ttt_steps'"),  # an EAGLE-3 key
+    ("draft: {kind: eagle3, num_layers: 2}", "unknown key 'draft.num_layers'"),  # a draft-LM key
+    ("eval: {tree: {kind: dynamic, depth: 3, top_k: 2}}", "missing required key 'eval.tree.total_tokens'"),
+    ("eval: {tree: {paths: [[0], [1, 1]]}}", "key 'eval.tree': Value error, paths: [1, 1] has no parent path [1]"),
+    ("eval: {tree: {kind: bushy, depth: 2}}", "key 'eval.tree.kind'"),
     ("bogus: {a: 1}", "unknown key 'bogus'"),
 ])
 def test_bad_recipes_name_file_and_key(tmp_path, extra, message):

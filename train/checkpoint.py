@@ -32,7 +32,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_config: dict, metrics: dict,
+def save_checkpoint(run_dir: Path, step: int, ds_engine, own_state: dict, draft_config: dict, metrics: dict,
                     rank: int) -> Path:
     """Collective: every rank calls it (DeepSpeed saves its shard of the state); rank 0 writes the rest."""
     final = layout.step_dir(run_dir, step)
@@ -41,7 +41,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_con
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    engine.save_checkpoint(str(tmp / "ds"), tag=DS_TAG)
+    ds_engine.save_checkpoint(str(tmp / "ds"), tag=DS_TAG)
     _barrier()
     if rank == 0:
         write_checkpoint(tmp, own_state, draft_config, metrics)
@@ -52,8 +52,8 @@ def save_checkpoint(run_dir: Path, step: int, engine, own_state: dict, draft_con
     return final
 
 
-def load_ds_state(engine, step_dir: Path) -> None:
-    engine.load_checkpoint(str(step_dir / "ds"), tag=DS_TAG)
+def load_ds_state(ds_engine, step_dir: Path) -> None:
+    ds_engine.load_checkpoint(str(step_dir / "ds"), tag=DS_TAG)
 
 
 LOWER_IS_BETTER = ("fkl", "rkl", "jsd", "tvd", "loss", "kl", "nll", "ce", "perplexity")
