@@ -33,6 +33,14 @@ class Objective(nn.Module):
         self.parts = parts
         self.loss_cfg = loss_cfg
 
+    # The objective adds no parameters of its own: its state is the head's, under the head's names, so that
+    # DeepSpeed's state (ds/) holds what it held when it wrapped the head, and older runs resume.
+    def state_dict(self, *args, **kwargs):
+        return self.head.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.head.load_state_dict(state_dict, strict=strict, assign=assign)
+
     def loss(self, pred: dict):
         """(loss, {component: value}) for one micro batch."""
         log_p, log_q = losses.distribution_logprobs(pred, self.loss_cfg.temperature)
