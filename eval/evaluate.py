@@ -86,6 +86,45 @@ def heldout_metrics(step_dir: Path) -> dict | None:
     return {k: held.get(k) for k in (*OFFLINE_KEYS, *HELDOUT_EXTRA_KEYS) if k in held}
 
 
+def checkpoint_tokens_seen(step_dir: Path) -> int | None:
+    """Cumulative training tokens (non-pad, all ranks) when this checkpoint was saved (metrics.json -> tokens_seen);
+    None for checkpoints trained before train/loop.py recorded it."""
+    path = step_dir / "metrics.json"
+    try:
+        value = json.loads(path.read_text()).get("tokens_seen") if path.is_file() else None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def reduced_draft_ids(draft, vocab_size: int) -> torch.Tensor | None:
+    """The target ids of an EAGLE-3 head's reduced draft vocabulary (draft id i -> target id i + d2t[i]);
+    None for heads that draft over the whole vocabulary."""
+    if getattr(draft, "kind", None) != "eagle3" or not hasattr(draft, "d2t"):
+        return None
+    ids = draft.draft_ids.detach().cpu().long()
+    return ids if ids.numel() < vocab_size else None
+
+
+VOCAB_COVERAGE_EVAL_NOTE = ("share of the target's plain greedy (T=0) output tokens on the eval prompts that lie in the "
+                            "draft vocabulary: a greedy token outside it can never be accepted. The held-out "
+                            "`vocab_coverage` is another quantity: the target's probability mass (T=1) inside it")
+
+
+def vocab_coverage_eval(draft, outputs: list[list[int]], vocab_size: int) -> dict:
+    """{vocab_coverage_eval, vocab_coverage_eval_tokens, draft_vocab_size}: the share of `outputs` (the target's
+    greedy tokens) inside a reduced draft vocabulary; the coverage is None for heads without one."""
+    ids = reduced_draft_ids(draft, vocab_size)
+    tokens = [t for out in outputs for t in out]
+    if ids is None:
+        return {"vocab_coverage_eval": None, "vocab_coverage_eval_tokens": len(tokens), "draft_vocab_size": None}
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    hits = int(inside[torch.tensor(tokens, dtype=torch.long)].sum()) if tokens else 0
+    return {"vocab_coverage_eval": hits / len(tokens) if tokens else None, "vocab_coverage_eval_tokens": len(tokens),
+            "draft_vocab_size": int(ids.numel())}
+
+
 def expected_tokens_per_step(alpha_at: list[float], k: int) -> float:
     """1 + sum_j prod_{i<j} alpha_at[i]: the chain's expected committed tokens per step."""
     total, run = 1.0, 1.0
@@ -124,6 +163,9 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     """
     kind = getattr(draft, "kind", None)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
+    reduced = reduced_draft_ids(draft, target.config.vocab_size)
+    if reduced is not None:
+        sums["vocab_coverage"] = 0.0
     positions = 0
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
@@ -141,6 +183,8 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         sums["fkl"] += (log_p.exp() * (log_p - log_q)).sum(-1).sum().item()
         sums["tvd"] += 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1).sum().item()
         sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        if reduced is not None:  # the target's probability mass inside the draft vocabulary (held-out's definition)
+            sums["vocab_coverage"] += log_p.exp()[:, reduced.to(log_p.device)].sum(-1).sum().item()
         positions += log_p.shape[0]
     if positions == 0:
         return {"positions": 0}
@@ -446,6 +490,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         comp_note = "skipped: comparators run at T=0 only and eval.temperature has no 0"
     if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
+    coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
     offline = {"heldout": heldout, "prompts": offline_prompts}
     if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
@@ -474,6 +519,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "comparators": comp_report,
         "comparators_note": comp_note,
         "lossless_note": T0_LOSSLESS_NOTE,
+        **coverage,
+        "vocab_coverage_eval_note": VOCAB_COVERAGE_EVAL_NOTE,
     }
 
 
@@ -516,6 +563,7 @@ def run(recipe, args) -> list[Path]:
                                      with_comparators=step_dir == steps[-1] or kind == "draft_lm",
                                      reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
+        report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
         write_json_atomic(out, report)
         for r in report["results"]:
