@@ -64,7 +64,9 @@ class CacheConfig(Section):
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_new_tokens: int = Field(256, ge=1)
-    regenerate_batch_size: int = Field(8, ge=1)
+    regenerate_batch_size: int = Field(32, ge=1)
+    regenerate_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the corpus rows the target "
+                                       "answers itself; the others keep the corpus's answers (a mix)")
     regenerate_thinking: bool | None = Field(None, description="thinking mode of the target while it regenerates "
                                              "(the template's enable_thinking; Qwen3); None: the template's default")
 
@@ -97,7 +99,7 @@ class DraftConfig(Section):
 
 
 class LossConfig(Section):
-    terms: dict[Literal["fkl", "rkl", "jsd", "tvd"], float] = Field(default_factory=lambda: {"fkl": 1.0})
+    terms: dict[Literal["fkl", "rkl", "jsd", "tvd", "argmax_ce"], float] = Field(default_factory=lambda: {"fkl": 1.0})
     temperature: float = Field(1.0, gt=0.0)
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")

@@ -168,11 +168,12 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     engine, _, _, _ = deepspeed.initialize(model=draft, model_parameters=trainable,
                                            config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
     std = feature_std(data) if kind == "eagle" else 1.0
-    start = 0
+    start, tokens_seen = 0, 0
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:
         checkpoint.load_ds_state(engine, latest)
         start = checkpoint.checkpoint_step(latest)
+        tokens_seen = json.loads((latest / "metrics.json").read_text()).get("tokens_seen", 0)
         if rank == 0:
             print(f"resuming from {latest.name}", flush=True)
     meta = {"kind": kind, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
@@ -189,7 +190,9 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
         for step in range(start, tc.max_steps):
             t0 = time.time()
             record = _train_step(engine, kind, data, collate, recipe, parts, step, rank, world, device, std, last_good)
-            record["tokens_per_s"] = record.pop("tokens") / max(time.time() - t0, 1e-9)
+            record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
+            tokens_seen += record["tokens"]
+            record["tokens_seen"] = tokens_seen  # all ranks, pads excluded: the x axis of the data-scaling curve
             history.append(record)
             if rank == 0:
                 _log_line(run_dir, record)
@@ -262,7 +265,7 @@ def _fingerprint(recipe) -> dict | None:
 
 def _save(engine, kind, draft, recipe, step, rank, meta, heldout, parts, writer, record) -> Path:
     engine.eval()
-    metrics = {"step": step, "train_loss": record["loss"]}
+    metrics = {"step": step, "train_loss": record["loss"], "tokens_seen": record["tokens_seen"]}
     metrics["heldout"] = offline_metrics(kind, engine, heldout, parts) if heldout else {"note": "no heldout split"}
     engine.train()
     own = _gathered_own_state(engine, kind, draft)

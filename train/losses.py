@@ -1,7 +1,9 @@
 """Distribution losses between the target's p and the draft's q, in log space.
 
 Definitions follow /work/shared/docs/metrics.md: fkl = KL(p||q), rkl = KL(q||p),
-jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|.
+jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|
+(= 1 - sum min(p, q), one minus the acceptance rate at T=1), argmax_ce = -log q(argmax p) (a hard
+label on the target's greedy choice: the acceptance event at T=0).
 
 Two ways to get p:
   * full vocabulary: p = softmax(lm_head(hidden_last) / T) from the target's frozen head;
@@ -17,7 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-NAMES = ("fkl", "rkl", "jsd", "tvd")
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")  # zero exactly where q = p
+NAMES = DIVERGENCES + ("argmax_ce",)  # every loss term a recipe may weight
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -27,8 +30,8 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return torch.where(a > 0, terms, torch.zeros_like(terms)).sum(-1)
 
 
-def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: float = 0.5) -> dict:
-    """Per-position divergences [N] between two normalised log-distributions [N, V]."""
+def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=DIVERGENCES, beta: float = 0.5) -> dict:
+    """Per-position loss terms [N] (default: the divergences) between two normalised log-distributions [N, V]."""
     out = {}
     for name in names:
         if name == "fkl":
@@ -47,6 +50,8 @@ def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: flo
             out[name] = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
         elif name == "tvd":
             out[name] = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+        elif name == "argmax_ce":
+            out[name] = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
         else:
             raise ValueError(f"unknown loss term {name!r}; known: {', '.join(NAMES)}")
     return out
