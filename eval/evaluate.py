@@ -54,8 +54,10 @@ def hardware() -> dict:
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
 
 
-def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
-    """'all', 'last', or one checkpoint named step-N / step-000000N / N."""
+def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
+    """'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
+    included: enough points for the data-scaling curve without decoding with every one), or one
+    checkpoint named step-N / step-000000N / N."""
     found = layout.checkpoints(run_dir)
     if not found:
         raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
@@ -63,10 +65,19 @@ def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
         return found
     if which == "last":
         return found[-1:]
+    if which == "best":
+        link = layout.best_link(run_dir)
+        if not link.exists():
+            raise SpecdistillError(f"--checkpoint best: {link} does not exist (training links it at each save)")
+        return [p for p in found if p.resolve() == link.resolve()] or found[-1:]
+    if isinstance(which, int):
+        n = max(1, which)
+        picks = sorted({round(i * (len(found) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [len(found) - 1]
+        return [found[i] for i in picks]
     try:
         step = int(which.removeprefix("step-"))
     except ValueError:
-        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all' or 'last'") from None
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all', 'last' or 'best'") from None
     for p in found:
         if int(layout.STEP_DIR.match(p.name).group(1)) == step:
             return [p]

@@ -146,7 +146,8 @@ class EvalConfig(Section):
     temperature: float | list[float] = Field(0.0, description="one temperature or a list")
     k: int = Field(4, ge=1)
     k_sweep: list[int] = Field(default_factory=list, description="extra K values to measure tau per K")
-    checkpoints: Literal["all", "last"] = "all"
+    checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
+                                                             "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True
     seed: int = 0
     tree: dict[str, int | str | list[list[int]]] | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")

@@ -150,6 +150,18 @@ def test_missing_or_unknown_checkpoint_stops(setup):
     assert evaluate.select_checkpoints(recipe.run_dir, "step-1")[0].name == "step-0000001"
 
 
+def test_checkpoint_selection_spread_and_best(setup):
+    recipe, target = setup
+    for step in (1, 2, 3, 4, 5):
+        write_eagle_checkpoint(recipe, target, step)
+    names = lambda which: [p.name[-1] for p in evaluate.select_checkpoints(recipe.run_dir, which)]
+    assert names(3) == ["1", "3", "5"] and names(2) == ["1", "5"] and names(1) == ["5"] and names(9) == list("12345")
+    with pytest.raises(SpecdistillError, match="best"):
+        evaluate.select_checkpoints(recipe.run_dir, "best")
+    (recipe.run_dir / "best").symlink_to("step-0000002")
+    assert names("best") == ["2"]
+
+
 def test_bad_prompt_file_names_the_line(setup, tmp_path):
     recipe, _ = setup
     bad = tmp_path / "bad.jsonl"
