@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdistill.data.cache import select_rows
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, split_stats, write_prepared
 from specdistill.data.tokenize import has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
@@ -169,7 +170,7 @@ def regenerated_corpus(recipe, source: Path, root: Path, model, tokenizer=None) 
     tokenizer = tokenizer or load_tokenizer(recipe.target)
     if not has_chat_template(tokenizer):
         raise SpecdistillError(f"cache.regenerate: target {recipe.target.path} has no chat template to prompt it with")
-    dd, summary = load_prepared(source)
+    dd, summary = select_rows(recipe, *load_prepared(source), source)  # corpus.max_rows: only the rows cached
     inputs = regeneration_inputs(recipe, summary)
     out_dir = regenerated_dir(root, inputs)
     done = out_dir / "summary.json"
