@@ -501,9 +501,9 @@ def run(recipe, args=None) -> dict:
     if recipe.cache.regenerate:
         model = load_model(recipe)
         shared = regenerated_corpus(recipe, source, shared_cache_root(recipe), model)
-        link = source.with_name("corpus-regenerated")
-        if link.is_symlink() or not link.exists():  # a real folder is a run regenerated before sharing: left as is
-            link_run_cache(link, shared)  # the run's corpus-regenerated -> the shared, fingerprinted one
+        regenerated_link = source.with_name("corpus-regenerated")
+        if regenerated_link.is_symlink() or not regenerated_link.exists():  # a real folder predates sharing: kept
+            link_run_cache(regenerated_link, shared)  # the run's corpus-regenerated -> the shared, fingerprinted one
         source = shared
     if link.is_dir() and not link.is_symlink():  # a run cached inside itself before caches were shared: keep it
         manifest = build_cache(recipe, source, link, model=model)

@@ -21,7 +21,7 @@ from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
-from specdistill.eval.runtime import forward_costs, make_runtime
+from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
 
 OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
 # what else the report reads from the held-out metrics: distribution labels and per-depth acceptance
@@ -555,8 +555,13 @@ def run(recipe, args) -> list[Path]:
 
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = select_checkpoints(recipe.run_dir, which)
-    target = load_target(recipe.target)
-    runtime = make_runtime(target, recipe.eval.runtime)  # the target and every decoder of it run in its dtype
+    from specdistill.target import load_target_config
+
+    # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
+    # cast up to fp32 would not be the fp32 target
+    name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
+    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}))
+    runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     reference = None

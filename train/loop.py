@@ -274,6 +274,10 @@ def _save(engine, kind, draft, recipe, step, rank, meta, heldout, parts, writer,
         for k, v in metrics["heldout"].items():
             if isinstance(v, (int, float)) and k not in ("temperature",):
                 writer.add_scalar(f"heldout/{k}", v, step)
+            elif isinstance(v, dict):  # e.g. simulated_tau per temperature: heldout/simulated_tau/T0
+                for t, x in v.items():
+                    if isinstance(x, (int, float)):
+                        writer.add_scalar(f"heldout/{k}/T{t}", x, step)
         writer.flush()
     saved = checkpoint.save_checkpoint(recipe.run_dir, step, engine, own, config, metrics, rank)
     if rank == 0:  # keep_last / best link (train/checkpoint.py)
