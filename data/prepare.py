@@ -139,6 +139,36 @@ def load_prepared(path: Path):
     return load_from_disk(str(path)), summary
 
 
+def select_rows(recipe, dd, summary: dict, corpus_path: Path):
+    """Check the prepared corpus against the recipe; honour a smaller corpus.max_rows by taking a prefix.
+
+    `specdistill cache ... corpus.max_rows=100` caches the sequences of the first 100 source rows
+    without re-preparing; any other corpus setting that differs means the corpus is stale.
+    """
+
+    made_with = summary.get("corpus_settings")
+    if made_with is not None and summary.get("regenerated_from") is None:
+        now = corpus_settings(recipe.corpus)
+        diff = sorted(k for k in set(made_with) | set(now) if made_with.get(k) != now.get(k))
+        if diff:
+            raise SpecdistillError(f"{corpus_path}: prepared with different corpus settings "
+                                   f"({', '.join('corpus.' + k for k in diff)}); rerun `specdistill prepare`")
+    limit = recipe.corpus.max_rows
+    if limit is None or limit >= summary.get("rows_read", limit):
+        return dd, summary
+    from datasets import DatasetDict
+
+    dd = DatasetDict({s: dd[s].select([i for i, r in enumerate(dd[s]["row"]) if r < limit]) for s in SPLITS})
+    splits = {s: [{"input_ids": x, "loss_mask": m} for x, m in zip(dd[s]["input_ids"], dd[s]["loss_mask"])]
+              for s in SPLITS}
+    summary = dict(summary, fingerprint=fingerprint(splits), splits={s: {
+        "sequences": len(splits[s]), "tokens": sum(len(x["input_ids"]) for x in splits[s]),
+        "assistant_tokens": sum(sum(x["loss_mask"]) for x in splits[s])} for s in SPLITS})
+    print(f"using the sequences of the first {limit:,} of {summary['rows_read']:,} prepared rows "
+          f"(corpus.max_rows={limit}): {sum(len(v) for v in splits.values()):,} sequences", flush=True)
+    return dd, summary
+
+
 def build_splits(seqs: list[dict], cfg) -> dict[str, list[dict]]:
     splits = {name: [] for name in SPLITS}
     for s in seqs:

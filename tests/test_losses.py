@@ -16,7 +16,7 @@ def logs(*rows):
 
 
 def test_each_divergence_matches_hand_computation():
-    d = metrics.divergences(logs(P), logs(Q), beta=0.5)
+    d = metrics.divergences(logs(P), logs(Q), metrics.NAMES, beta=0.5)
     fkl = sum(p * math.log(p / q) for p, q in zip(P, Q))
     rkl = sum(q * math.log(q / p) for p, q in zip(P, Q))
     M = [(p + q) / 2 for p, q in zip(P, Q)]
@@ -26,6 +26,13 @@ def test_each_divergence_matches_hand_computation():
     assert d["rkl"].item() == pytest.approx(rkl, abs=1e-12)
     assert d["jsd"].item() == pytest.approx(jsd, abs=1e-12)
     assert d["tvd"].item() == pytest.approx(tvd, abs=1e-12)  # 0.3
+    assert d["argmax_ce"].item() == pytest.approx(-math.log(0.25), abs=1e-12)  # argmax p is outcome 0
+    assert 1 - d["tvd"].item() == pytest.approx(sum(min(p, q) for p, q in zip(P, Q)), abs=1e-12)
+
+
+def test_argmax_ce_follows_the_target_argmax_per_position():
+    d = metrics.divergences(logs(P, [0.1, 0.2, 0.7]), logs(Q, Q), names=("argmax_ce",))
+    assert d["argmax_ce"].tolist() == pytest.approx([-math.log(0.25), -math.log(0.5)], abs=1e-12)
 
 
 def test_jsd_beta_weights_the_mixture():

@@ -10,7 +10,8 @@ from specdistill.eval import report
 from specdistill.recipe import load_recipe
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURES = ["alpha_vs_predicted.png", "alpha_vs_fkl.png", "tau_vs_k.png", "comparators.png", "time_split.png"]
+FIGURES = ["alpha_vs_predicted.png", "alpha_vs_fkl.png", "tau_vs_k.png", "comparators.png", "time_split.png",
+           "tau_vs_tokens.png"]
 
 
 def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offline_prompts=True) -> dict:
@@ -42,7 +43,7 @@ def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offli
 def write_run(root, name, evals, settings=None, fingerprint=True):
     """Eval files and the checkpoints they measured (a weights stand-in: the report checks fingerprints);
     settings: the eval settings recorded (default: the test recipe's, i.e. the schema's defaults; False: none)."""
-    from specdistill.eval.evaluate import checkpoint_fingerprint
+    from specdistill.formats import checkpoint_fingerprint
     from specdistill.recipe import EvalConfig
 
     settings = EvalConfig().model_dump(mode="json") if settings is None else settings
@@ -289,3 +290,178 @@ def test_export_readme_refuses_results_of_another_checkpoint_version(tmp_path):
     old = write_run(tmp_path, "runB", [eval_json(200, 0.55, 1.31)], fingerprint=False)
     data, text = eval_summary(old, "step-0000200")
     assert "⚠ unverified" in text and "- T=0, K=4: tau 2.100" in text
+
+
+
+# ------------------------------------------------------------------- how much data buys how much τ
+
+CURVE = (2.5, 20.0, 0.3)  # τ(N) = 2.5 − 20·N^(−0.3): τ = 2.2 at N = (20 / 0.3)^(1 / 0.3) ≈ 1.2M tokens
+
+
+def curve(n):
+    return report.saturating(n, *CURVE)
+
+
+def test_fit_recovers_a_known_saturating_curve_and_refuses_too_few_points():
+    tokens = [2e4, 4e4, 8e4, 1.6e5, 3.2e5]
+    fit = report.fit_saturating(tokens, [curve(n) for n in tokens])
+    assert fit["ok"] and fit["points"] == 5 and not fit["exact"] and fit["n_max"] == 3.2e5
+    assert fit["tau_inf"] == pytest.approx(2.5, rel=1e-4) and fit["b"] == pytest.approx(0.3, rel=1e-3)
+    assert fit["c"] == pytest.approx(20.0, rel=1e-2) and fit["rmse"] < 1e-6
+    assert report.tokens_for_tau(fit, 2.2) == pytest.approx((20 / 0.3) ** (1 / 0.3), rel=1e-2)
+    assert report.tokens_for_tau(fit, 2.6) is None  # above τ∞: never reached
+    # bounds hold even when the data would like τ∞ < 1 (falling τ): c ≥ 0 then makes the curve flat
+    falling = report.fit_saturating(tokens, [1.5, 1.4, 1.3, 1.2, 1.1])
+    assert falling["ok"] and falling["tau_inf"] >= 1.0 and falling["c"] >= 0 and falling["b"] > 0
+    # fewer than 3 distinct token counts: no fit, and it says why
+    for few in (([1e4, 2e4], [1.2, 1.3]), ([1e4, 1e4, 2e4], [1.2, 1.25, 1.3]), ([], [])):
+        got = report.fit_saturating(*few)
+        assert not got["ok"] and "at least 3" in got["why"]
+    assert report.fit_saturating([1e4, 2e4, None, 4e4], [1.2, 1.3, 1.4, None])["ok"] is False
+
+
+def write_scaling_run(root, name, checkpoints: dict[int, dict]) -> "Path":
+    """Complete checkpoints (metrics.json with tokens_seen when given, held-out top1_at) and, where `measured` is
+    given, an eval JSON with that T=0 τ, fingerprinted after metrics.json is written (so it is fresh)."""
+    from specdistill.formats import checkpoint_fingerprint
+    from specdistill.recipe import EvalConfig
+
+    run_dir = root / name
+    layout.eval_dir(run_dir).mkdir(parents=True)
+    for step, c in checkpoints.items():
+        d = run_dir / f"step-{step:07d}"
+        d.mkdir()
+        (d / "draft.safetensors").write_bytes(f"weights {name} {step}".encode())
+        metrics = {"step": step, "heldout": {"top1": c["top1_at"][0], "top1_at": c["top1_at"]}}
+        if c.get("tokens_seen") is not None:
+            metrics["tokens_seen"] = c["tokens_seen"]
+        (d / "metrics.json").write_text(json.dumps(metrics))
+        (d / "COMPLETE").write_text(f"{step}\n")
+        if c.get("measured") is not None:
+            e = eval_json(step, 0.4, 1.1)
+            e["results"][0]["tau"] = c["measured"]
+            e["offline"]["heldout"] = metrics["heldout"]
+            e["checkpoint_fingerprint"] = checkpoint_fingerprint(d)
+            e["eval_settings"] = EvalConfig().model_dump(mode="json")
+            (layout.eval_dir(run_dir) / f"{d.name}.json").write_text(json.dumps(e))
+    return run_dir
+
+
+def sim_tau(a: float, k: int = 4) -> float:
+    return 1 + sum(a ** j for j in range(1, k + 1))  # one unrolled depth, repeated to K (the eval's K = 4)
+
+
+def test_tau_vs_tokens_table_fit_and_checkpoints_without_tokens_seen(recipe, capsys):
+    ns = {100: 2e4, 200: 4e4, 300: 8e4, 400: 1.6e5}
+    cps = {50: {"top1_at": [0.1], "measured": 1.1}}  # trained before tokens_seen was recorded
+    cps |= {s: {"top1_at": [0.1 + s / 1000], "tokens_seen": int(n), "measured": curve(int(n))} for s, n in ns.items()}
+    cps[500] = {"top1_at": [0.55], "tokens_seen": 320_000}  # never evaluated: simulated τ only
+    run_dir = write_scaling_run(recipe.run_dir.parent, "runA", cps)
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    section = md.split("## How much data buys how much τ")[1].split("\n## ")[0]
+    rows = table_rows(section, "tokens_seen")
+    assert [r["step"] for r in rows] == ["50", "100", "200", "300", "400", "500"]
+    sim, meas = "simulated τ (held-out, T=0, K=4)", "measured τ (chain, T=0, K=4)"
+    assert rows[0] == {"run": "runA", "step": "50", "tokens_seen": "— (not recorded)", sim: f"{sim_tau(0.1):.3f}",
+                       meas: "1.100"}
+    assert rows[2] == {"run": "runA", "step": "200", "tokens_seen": "40,000", sim: f"{sim_tau(0.3):.3f}",
+                       meas: f"{curve(40000):.3f}"}
+    assert rows[5][meas] == "— (not evaluated)" and rows[5][sim] == f"{sim_tau(0.55):.3f}"
+    assert "**1 of 6 checkpoint(s) have no `tokens_seen`**" in section and "fits: step-0000050." in section
+    fits = {line.split(":")[0]: line for line in section.splitlines() if line.startswith("- ")}
+    measured = fits["- measured τ (chain)"]
+    assert "fitted to 4 checkpoints" in measured and "extrapolation from 4 points" in measured
+    import re
+    tau_inf = float(re.search(r"τ\(N\) = ([0-9.]+) −", measured).group(1))
+    need = re.search(r"τ = 2.2 at N ≈ ([0-9.]+)M tokens", measured)
+    assert tau_inf == pytest.approx(2.5, abs=2e-3) and float(need.group(1)) * 1e6 == pytest.approx(1.2e6, rel=0.05)
+    assert "fitted to 5 checkpoints" in fits["- simulated τ (held-out)"]  # steps 100..500
+    assert "](tau_vs_tokens.png)" in section
+    assert_pngs(run_dir)
+    assert "runA: ≈1.2" in capsys.readouterr().out.splitlines()[-1]
+    # the simulated τ sits beside the measured τ in the per-checkpoint table too
+    assert f"| {curve(40000):.3f} [" in md and f"| {sim_tau(0.3):.3f} |" in md
+
+
+def test_tau_vs_tokens_plot_draws_the_extrapolation_dashed_to_10x(monkeypatch, tmp_path):
+    from matplotlib.axes import Axes
+
+    lines = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **k: (lines.append((a, k)), real(ax, *a, **k))[1])
+    ns = [2e4, 4e4, 8e4]
+    points = [{"run": r, "checkpoint": f"step-{i}", "step": i, "tokens_seen": n, "simulated": curve(n) + 0.1,
+               "measured": curve(n), "stale": False, "evaluated": True, "k": 2}
+              for r in ("runA", "runB") for i, n in enumerate(ns)]
+    points.append({**points[0], "tokens_seen": None, "measured": 9.0})  # no tokens_seen: not plotted
+    fits = report.scaling_fits(points)
+    assert [(f["run"], f["series"], f["ok"], f["exact"]) for f in fits] == [
+        ("runA", "simulated", True, True), ("runA", "measured", True, True),
+        ("runB", "simulated", True, True), ("runB", "measured", True, True)]
+    report.plot_tau_vs_tokens(points, fits, True, tmp_path / "t.png", "footer")
+    dashed = [(a, k) for a, k in lines if len(a) > 2 and a[2] == "--"]
+    assert len(dashed) == 4 and all("extrapolation" in k["label"] for _, k in dashed)
+    assert all(a[0][0] == pytest.approx(8e4) and a[0][-1] == pytest.approx(8e5) for a, _ in dashed)
+    assert {k["label"].split(":")[0] for _, k in dashed} == {"runA", "runB"}
+    measured_pts = [a for a, k in lines if k.get("label") == "runA: measured τ (chain)"]
+    assert measured_pts and 9.0 not in measured_pts[0][1]
+    assert (tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_no_tokens_seen_anywhere_says_so_and_fits_nothing(recipe, capsys):
+    run_dir = write_scaling_run(recipe.run_dir.parent, "runA", {
+        s: {"top1_at": [0.2], "measured": 1.2} for s in (100, 200, 300)})
+    report.run(recipe, argparse.Namespace(runs=None))
+    section = (run_dir / "report.md").read_text().split("## How much data buys how much τ")[1].split("\n## ")[0]
+    assert "**3 of 3 checkpoint(s) have no `tokens_seen`**" in section
+    assert "- measured τ (chain): no fit: no checkpoint of this run records tokens_seen." in section
+    assert "- simulated τ (held-out): no fit: no checkpoint of this run records tokens_seen." in section
+    assert "no fit (no checkpoint of this run records tokens_seen)" in capsys.readouterr().out
+    assert_pngs(run_dir)
+
+
+def test_several_runs_each_get_their_points_and_fits(recipe):
+    root = recipe.run_dir.parent
+    for name, shift in (("runA", 0.0), ("runB", 0.1)):
+        write_scaling_run(root, name, {s: {"top1_at": [0.2 + s / 2000], "tokens_seen": int(n),
+                                           "measured": curve(n) + shift}
+                                       for s, n in ((100, 2e4), (200, 4e4), (300, 8e4))})
+    report.run(recipe, argparse.Namespace(runs=["runA", "runB"]))
+    section = (root / "compare-runA-runB" / "report.md").read_text().split("## How much data buys")[1].split("\n## ")[0]
+    assert [(r["run"], r["step"]) for r in table_rows(section, "tokens_seen")] == [
+        ("runA", "100"), ("runA", "200"), ("runA", "300"), ("runB", "100"), ("runB", "200"), ("runB", "300")]
+    for name in ("runA", "runB"):
+        assert f"- {name}, measured τ (chain): τ(N) = " in section
+        assert f"- {name}, simulated τ (held-out): τ(N) = " in section
+    assert "passes through them" in section  # 3 points, 3 parameters: said
+
+
+def test_stale_measured_tau_is_shown_but_not_fitted():
+    pts = [{"run": "r", "checkpoint": f"s{i}", "step": i, "tokens_seen": n, "simulated": None, "measured": curve(n),
+            "stale": i == 2, "evaluated": True, "k": 2} for i, n in enumerate([1e4, 2e4, 4e4])]
+    measured = next(f for f in report.scaling_fits(pts) if f["series"] == "measured")
+    assert not measured["ok"] and measured["points"] == 2
+    assert "⚠ STALE (not fitted)" in report.scaling_table(pts)
+
+
+# ------------------------------------------------------------------------- draft vocabulary coverage
+
+def test_vocab_coverage_on_eval_prompts_beside_the_heldout_one(recipe):
+    e3, old = eval_json(200, 0.55, 1.31), eval_json(400, 0.62, 1.48)
+    for e in (e3, old):
+        e["draft_kind"] = "eagle3"
+        e["offline"]["heldout"]["vocab_coverage"] = 0.80
+    e3.update(vocab_coverage_eval=0.9123, vocab_coverage_eval_tokens=1024, draft_vocab_size=8192)
+    e3["offline"]["prompts"]["vocab_coverage"] = 0.7712
+    run_dir = write_run(recipe.run_dir.parent, "runA", [e3, old])
+    report.run(recipe, argparse.Namespace(runs=None))
+    md = (run_dir / "report.md").read_text()
+    rows = {r["checkpoint"]: r for r in table_rows(md, "held-out (mass)")}
+    assert rows["step-0000200"] == {"checkpoint": "step-0000200", "draft vocab size": "8192", "held-out (mass)": "0.800",
+                                    "eval prompts (mass, greedy cont.)": "0.771",
+                                    "eval prompts (greedy tokens in draft vocab)": "0.912 of 1024 tokens"}
+    assert rows["step-0000400"]["eval prompts (greedy tokens in draft vocab)"] == "— (evaluated before it was measured)"
+    plain = write_run(recipe.run_dir.parent, "runB", [eval_json(200, 0.55, 1.31)])  # EAGLE-1: no such section
+    report.run(recipe, argparse.Namespace(runs=["runB"]))
+    assert "## Draft vocabulary coverage" not in (plain / "report.md").read_text()

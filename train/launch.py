@@ -119,6 +119,8 @@ def run(recipe, args=None, stop_after: int | None = None):
         env = dict(os.environ)
         if not _has_gpu():
             env.setdefault("DS_ACCELERATOR", "cpu")
+            # each process would otherwise start one thread per core: N processes x all cores oversubscribe the CPU
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // recipe.train.num_gpus)))
         done = subprocess.run(launcher_command(recipe, resolved, stop_after), env=env)
         if done.returncode != 0:
             raise SpecdistillError(f"train: the DeepSpeed launcher exited with status {done.returncode} "

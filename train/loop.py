@@ -26,7 +26,7 @@ from tqdm import tqdm
 from specdistill import kinds, layout
 from specdistill.data.cache_reader import collate, open_cache
 from specdistill.errors import SpecdistillError
-from specdistill.formats import write_text_atomic
+from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
 from specdistill.train import checkpoint
@@ -113,6 +113,7 @@ class RunState:
     writer: Reporters | None  # rank 0 only: TensorBoard + train.report_to
     last_good: Path | None  # the newest complete checkpoint (named when a NaN stops the run)
     meta: dict  # what draft_config.json records beside the draft's own config
+    tokens_seen: int = 0  # trained tokens so far, all ranks (resumed from the last checkpoint)
 
 
 def _heldout_batches(cache, recipe, device) -> list[dict]:
@@ -160,11 +161,12 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     trainable = [p for p in objective.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(model=objective, model_parameters=trainable,
                                               config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
-    start = 0
+    start, tokens_seen = 0, 0
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:
         checkpoint.load_ds_state(ds_engine, latest)
         start = layout.step_of(latest)
+        tokens_seen = (read_metrics(latest) or {}).get("tokens_seen", 0)
         if rank == 0:
             print(f"resuming from {latest.name}", flush=True)
     meta = {"kind": draft_kind.NAME, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
@@ -173,14 +175,16 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     if rank == 0:
         _trim_log(run_dir, start)
     run = RunState(recipe, rank, world, device, run_dir,
-                   Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta)
+                   Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta, tokens_seen)
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
     try:
         for step in range(start, tc.max_steps):
             t0 = time.time()
             record = _train_step(run, ds_engine, data, step)
-            record["tokens_per_s"] = record.pop("tokens") / max(time.time() - t0, 1e-9)
+            record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
+            run.tokens_seen += record["tokens"]
+            record["tokens_seen"] = run.tokens_seen  # all ranks, pads excluded: the x axis of the data-scaling curve
             history.append(record)
             if rank == 0:
                 _log_line(run_dir, record)
@@ -253,7 +257,7 @@ def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
     recipe, objective = run.recipe, ds_engine.module
     draft_kind = kinds.kind(recipe.draft.kind)
     ds_engine.eval()
-    metrics = {"step": step, "train_loss": record["loss"]}
+    metrics = {"step": step, "train_loss": record["loss"], "tokens_seen": record["tokens_seen"]}
     metrics["heldout"] = objective.offline_metrics(heldout) if heldout else {"note": "no heldout split"}
     ds_engine.train()
     own = _gathered_own_state(ds_engine, draft_kind, objective.head)
@@ -262,6 +266,10 @@ def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
         for k, v in metrics["heldout"].items():
             if isinstance(v, (int, float)) and k not in ("temperature",):
                 run.writer.add_scalar(f"heldout/{k}", v, step)
+            elif isinstance(v, dict):  # e.g. simulated_tau per temperature: heldout/simulated_tau/T0
+                for t, x in v.items():
+                    if isinstance(x, (int, float)):
+                        run.writer.add_scalar(f"heldout/{k}/T{t}", x, step)
         run.writer.flush()
     saved = checkpoint.save_checkpoint(recipe.run_dir, step, ds_engine, own, config, metrics, run.rank)
     if run.rank == 0:  # keep_last / best link (train/checkpoint.py)

@@ -1,6 +1,7 @@
 """Distribution losses between the target's p and the draft's q, in log space.
 
-The divergences themselves are specdistill/metrics.py's (one definition for losses and metrics).
+The loss terms (fkl, rkl, jsd, tvd and argmax_ce, a hard label on the target's greedy choice) are
+specdistill/metrics.py's `divergences`: one definition for the losses and the metrics.
 
 Two ways to get p:
   * full vocabulary: p = softmax(lm_head(hidden_last) / T) from the target's frozen head;

@@ -11,6 +11,7 @@ Every kind module defines the same names, and the rest of the code asks the kind
   Objective(head, parts, loss)     the training objective DeepSpeed wraps: forward(batch, generator) ->
                                    predictions; `loss(pred)` -> (loss, components); `offline_metrics(batches)`
   checkpoint_config(head) / own_state_dict(head) / load(config, state, target_model)   the checkpoint
+  draft_vocabulary(head)   the target ids it can propose when fewer than the target's (EAGLE-3), else None
   owns(module)    whether a loaded module is this kind's (the engine and the eval ask it)
   drafter(head, target_model, static)   what the decode loop calls to draft (eval/engine.py)
   prompt_logits(head, target_model, seq)   teacher-forced draft logits over the target's vocabulary

@@ -211,6 +211,10 @@ def load(config: dict, state: dict[str, torch.Tensor], target_model):
     return model.eval()
 
 
+def draft_vocabulary(head) -> torch.Tensor | None:
+    """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
+    return None  # the target's whole vocabulary
+
 # ---- training objective -----------------------------------------------------------------------------
 
 class Objective(objective.Objective):

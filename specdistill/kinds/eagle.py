@@ -84,6 +84,10 @@ def load(config: dict, state: dict[str, torch.Tensor], target_model) -> EagleHea
     return head.bind_target(target_model.get_input_embeddings(), target_model.get_output_embeddings())
 
 
+def draft_vocabulary(head) -> torch.Tensor | None:
+    """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
+    return None  # the target's whole vocabulary
+
 # ---- training objective -----------------------------------------------------------------------------
 
 def teacher_forced(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, attention_mask=None) -> torch.Tensor:

@@ -105,6 +105,10 @@ def load(config: dict, state: dict[str, torch.Tensor], target_model) -> Eagle3He
     return head.bind_target(target_model.get_input_embeddings())
 
 
+def draft_vocabulary(head) -> torch.Tensor | None:
+    """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
+    return head.draft_ids
+
 # ---- training objective -----------------------------------------------------------------------------
 
 class Objective(objective.Objective):
