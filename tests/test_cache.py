@@ -134,10 +134,8 @@ build_cache(recipe, sys.argv[2], sys.argv[3])
 
 def landed(cache: Path) -> bool:
     """True once the manifest lists a finished shard (it is replaced atomically, so always whole)."""
-    try:
-        return bool(read_manifest(cache)["splits"]["train"]["shards"])
-    except FileNotFoundError:
-        return False
+    manifest = read_manifest(cache)  # None until the first manifest is written
+    return bool(manifest and manifest["splits"]["train"]["shards"])
 
 
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, tiny):
