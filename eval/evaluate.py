@@ -61,7 +61,10 @@ def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
         link = layout.best_link(run_dir)
         if not link.exists():
             raise SpecdistillError(f"--checkpoint best: {link} does not exist (training links it at each save)")
-        return [p for p in found if p.resolve() == link.resolve()] or found[-1:]
+        best = [p for p in found if p.resolve() == link.resolve()]
+        if not best:
+            raise SpecdistillError(f"--checkpoint best: {link} points at {link.resolve().name}, not a complete checkpoint")
+        return best
     if isinstance(which, int):
         n = max(1, which)
         picks = sorted({round(i * (len(found) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [len(found) - 1]

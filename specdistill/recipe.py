@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
+from specdistill import metrics
 from specdistill.errors import SpecdistillError
 from specdistill.kinds import draft_lm, eagle, eagle3
 from specdistill.layout import REPO_ROOT
@@ -77,7 +78,7 @@ LoraConfig = draft_lm.LoraConfig
 
 
 class LossConfig(Section):
-    terms: dict[Literal["fkl", "rkl", "jsd", "tvd", "argmax_ce"], float] = Field(default_factory=lambda: {"fkl": 1.0})
+    terms: dict[Literal[metrics.NAMES], float] = Field(default_factory=lambda: {"fkl": 1.0})
     temperature: float = Field(1.0, gt=0.0)
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")

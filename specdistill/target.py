@@ -280,6 +280,29 @@ def parts_of(target_model, where: str | None = None) -> TargetParts:
                        target_model.get_output_embeddings(), where)
 
 
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """Every id that ends a reply: the tokenizer's eos and the model's config/generation-config eos."""
+    ids: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        sources.append(gen.eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(x) for x in s)
+    return ids
+
+
+def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
+    """The tokens a step commits, up to and including the first EOS; and whether one was hit."""
+    for i, tok in enumerate(new):
+        if tok in eos_ids:
+            return new[:i + 1], True
+    return new, False
+
+
 if __name__ == "__main__":  # `make setup` prepares the default target once
     from specdistill.recipe import TargetConfig
 

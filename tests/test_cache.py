@@ -238,8 +238,8 @@ def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, ti
     assert out.parent == tmp_path / "shared" and out.name.startswith("regenerated-")
     from datasets import load_from_disk
 
-    from specdistill.data.regenerate import stop_ids
     from specdistill.data.tokenize import prompt_ids
+    from specdistill.target import eos_token_ids
 
     dd = load_from_disk(str(out))
     assert len(dd["train"]) == 5
@@ -249,7 +249,7 @@ def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, ti
         ids = prompt_ids(tokenizer, row["messages"][:1])
         greedy = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
-        eos = [i for i, t in enumerate(greedy) if t in stop_ids(model)]
+        eos = [i for i, t in enumerate(greedy) if t in eos_token_ids(model, tokenizer)]
         reply = greedy[:eos[0] + 1] if eos else greedy
         assert row["input_ids"] == ids + reply
         assert row["loss_mask"] == [0] * len(ids) + [1] * len(reply)
