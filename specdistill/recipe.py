@@ -192,6 +192,9 @@ class Recipe(Section):
     run_name: str | None = None
     output_dir: str | None = Field(None, description="where runs live (outputs go to <output_dir>/<run_name>/); "
                                                      "default $SPECDISTILL_CHECKPOINTS or ./checkpoints")
+    device: str = Field("auto", description="where every stage runs: auto (CUDA when present, else the CPU), "
+                                              "cpu, cuda (this process's LOCAL_RANK), or cuda:N; resolved by "
+                                              "specdistill/device.py")
     target: TargetConfig
     corpus: CorpusConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)

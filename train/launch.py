@@ -58,7 +58,7 @@ def in_process(recipe) -> bool:
 
 # Keys that may change between a run and its resumption: they do not change what the checkpoints so far
 # were trained on (how long to go on, how often to save/log, where outputs go, how runs are compared).
-RESUMABLE_CHANGES = ("run_name", "output_dir", "cache.dir", "cache.mode", "eval", "export", "train.max_steps",
+RESUMABLE_CHANGES = ("run_name", "output_dir", "device", "cache.dir", "cache.mode", "eval", "export", "train.max_steps",
                      "train.save_every", "train.log_every", "train.heldout_batches", "train.keep_last",
                      "train.best_metric", "train.report_to", "train.num_gpus", "train.num_nodes", "train.hostfile")
 

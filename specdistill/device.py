@@ -1,0 +1,184 @@
+"""Everything about where tensors live and how time is read on it, in one place.
+
+One recipe key, `device` (auto | cpu | cuda | cuda:N), resolved once per process by `resolve`. The other
+stages ask this module for: the DeepSpeed accelerator name (`deepspeed_accelerator`, set by our launcher,
+never forced by the Makefile), a clock that waits for the device before it reads the time (`clock`),
+random generators on the device (`generator`), and a description of the hardware that every eval,
+bench and report records (`hardware`).
+
+`strict_device()` is the test mode that proves the code is device-agnostic without a GPU: inside it,
+a tensor factory (torch.zeros, torch.arange, torch.tensor, ...) called from project code without
+`device=` raises, naming the file and line. The strict-device tests and `make gpu-check` run under it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specdistill.errors import SpecdistillError
+
+SETTINGS = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def resolve(setting: str = "auto", key: str = "device") -> torch.device:
+    """The device a process runs on. `auto` is CUDA when present (this process's LOCAL_RANK under a launcher),
+    else the CPU. Asking for CUDA where there is none is a one-line error naming the recipe key."""
+    setting = str(setting or "auto").strip().lower()
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    if setting == "auto":
+        setting = "cuda" if cuda else "cpu"
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" or setting.startswith("cuda:"):
+        if not cuda:
+            raise SpecdistillError(f"{key}: {setting!r} asked for, but this machine has no CUDA device "
+                                   f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                                   f"use {key}=cpu or {key}=auto")
+        if setting == "cuda":
+            index = int(os.environ.get("LOCAL_RANK", 0)) % count
+        else:
+            try:
+                index = int(setting.split(":", 1)[1])
+            except ValueError:
+                raise SpecdistillError(f"{key}: {setting!r} is not one of {', '.join(SETTINGS)}") from None
+            if not 0 <= index < count:
+                raise SpecdistillError(f"{key}: {setting!r}, but this machine has {count} CUDA device(s)")
+        return torch.device("cuda", index)
+    raise SpecdistillError(f"{key}: {setting!r} is not one of {', '.join(SETTINGS)}")
+
+
+def deepspeed_accelerator(device: torch.device) -> str:
+    """The value of DS_ACCELERATOR for a device: DeepSpeed reads it before any autodetection."""
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+
+def synchronize(device) -> None:
+    """Wait until the device has finished the work queued so far (a no-op on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device):
+    """A timer for `device`: each call waits for the device's queued work, then reads perf_counter.
+    Without the wait, a GPU timing measures kernel launches, not the work."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
+def generator(device, seed: int) -> torch.Generator:
+    """A seeded random generator on `device` (sampling on a GPU with a CPU generator fails)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hardware(device=None) -> dict:
+    """What ran: CPU model and threads always; on CUDA also the GPU's name, count, memory, CUDA and driver
+    versions. Written into every eval JSON, bench output and report."""
+    device = torch.device(device or "cpu")
+    out = {"device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda, driver=_driver_version())
+    return out
+
+
+def peak_memory(device) -> dict:
+    """Peak memory so far: the process's resident set (host) and, on CUDA, the allocator's peak."""
+    import resource
+
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    out = {"host_peak_rss_gib": round(rss_kib / 2**20, 3)}
+    if torch.device(device).type == "cuda":
+        out["device_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    return out
+
+
+# ---- strict-device test mode -------------------------------------------------------------------
+
+# Factories that make a tensor from nothing: without `device=` they land on the default device (the CPU).
+FACTORIES = frozenset({
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.range, torch.linspace,
+    torch.logspace, torch.eye, torch.tensor, torch.as_tensor, torch.rand, torch.randn, torch.randint,
+    torch.randperm, torch.tril_indices, torch.triu_indices, torch.empty_strided, torch.scalar_tensor,
+})
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The package's folders: specdistill/ and the user's data/, train/, eval/ mapped into it (pyproject.toml).
+PROJECT_DIRS = tuple(str(PROJECT_ROOT / d) + os.sep for d in ("specdistill", "data", "train", "eval"))
+
+
+def _project_caller() -> str | None:
+    """file:line of the nearest project frame calling into torch, or None if the call came from elsewhere
+    (torch, transformers, DeepSpeed, the tests)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(PROJECT_DIRS) and not name.endswith(os.sep + "device.py"):
+            return f"{os.path.relpath(name, PROJECT_ROOT)}:{frame.f_lineno}"
+        if "/torch/" not in name:  # first non-torch frame decides: library code is not ours to police
+            return None
+        frame = frame.f_back
+    return None
+
+
+class StrictDeviceError(AssertionError):
+    pass
+
+
+class _StrictDevice(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            where = _project_caller()
+            if where is not None:
+                raise StrictDeviceError(f"{where}: torch.{func.__name__}(...) without device= "
+                                        f"(strict-device mode: every tensor the project makes names its device)")
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def strict_device():
+    """Inside: a project tensor factory without `device=` raises StrictDeviceError naming file and line."""
+    with _StrictDevice():
+        yield
+
+
+def strict_from_env() -> bool:
+    """SPECDISTILL_STRICT_DEVICE=1 turns the strict mode on for a whole command (make gpu-check uses it)."""
+    return os.environ.get("SPECDISTILL_STRICT_DEVICE", "") not in ("", "0")

@@ -1,0 +1,65 @@
+"""specdistill/device.py: the one device setting, the synchronising clock, generators, hardware, strict mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill import device
+from specdistill.errors import SpecdistillError
+
+
+def test_resolve_cpu_and_auto():
+    assert device.resolve("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert device.resolve("auto").type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("setting", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_without_cuda_is_one_line_naming_the_key(setting):
+    with pytest.raises(SpecdistillError) as err:
+        device.resolve(setting)
+    assert str(err.value).startswith(f"device: {setting!r}") and "\n" not in str(err.value)
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(SpecdistillError, match="device: 'tpu'"):
+        device.resolve("tpu")
+
+
+def test_deepspeed_accelerator():
+    assert device.deepspeed_accelerator(torch.device("cpu")) == "cpu"
+    assert device.deepspeed_accelerator(torch.device("cuda", 1)) == "cuda"
+
+
+def test_generator_is_on_the_device_and_seeded():
+    a, b = device.generator("cpu", 7), device.generator("cpu", 7)
+    assert a.device == torch.device("cpu")
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+def test_hardware_describes_the_cpu():
+    hw = device.hardware("cpu")
+    assert hw["device"] == "cpu" and hw["cpu"] and hw["threads"] >= 1 and "gpu" not in hw
+
+
+def test_clock_is_monotonic():
+    now = device.clock("cpu")
+    assert now() <= now()
+
+
+def test_strict_mode_names_file_and_line_of_a_project_factory_without_device():
+    # A deliberately wrong call made from project code: specdistill/device.py is excluded, so use a module
+    # of the package that builds a tensor from nothing (the collate in the cache reader pads with torch.full).
+    import specdistill.metrics as m
+
+    code = compile("def bad():\n    import torch\n    return torch.zeros(3)\n", m.__file__, "exec")
+    ns: dict = {}
+    exec(code, ns)
+    with device.strict_device():
+        with pytest.raises(device.StrictDeviceError, match=r"specdistill/metrics.py:3: torch.zeros"):
+            ns["bad"]()
+        good = compile("def good():\n    import torch\n    return torch.zeros(3, device='cpu')\n", m.__file__, "exec")
+        exec(good, ns)
+        assert ns["good"]().shape == (3,)
+        torch.zeros(3)  # the tests' own tensors are not the project's: allowed
