@@ -27,12 +27,12 @@ from specdistill.data.corpus import read_corpus
 from specdistill.data.regenerate import generate_replies
 from specdistill.data.tokenize import encode_chats, prompt_ids
 from specdistill.formats import write_shard
-from specdistill.kinds import KINDS
+from specdistill import kinds
 from specdistill.recipe import CacheConfig, CorpusConfig, TargetConfig
 from specdistill.target import load_target, load_tokenizer
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
-STORES = {name: kind.STORE for name, kind in KINDS.items()}  # what each draft kind caches
+STORES = {kind.NAME: kind.STORE for kind in kinds.all_kinds()}  # what each draft kind caches
 
 
 def corpus_batches(tokenizer, rows: int, batch_tokens: int):

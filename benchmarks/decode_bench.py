@@ -15,6 +15,7 @@ import torch
 from specdistill import kinds, layout
 from specdistill.eval import evaluate
 from specdistill.eval.prompts import load_prompts
+from specdistill.eval.tables import summary_line
 from specdistill.recipe import load_recipe
 from specdistill.target import load_target, load_tokenizer, parts_of, resolve_target
 
@@ -43,7 +44,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
           f"(n={len(prompts)}), max_new_tokens {recipe.eval.max_new_tokens}, K={recipe.eval.k}, "
           f"{hw['cpu']}, {hw['threads']} threads")
     for r in report["results"]:
-        print(evaluate.summary_line(report, r))
+        print(summary_line(report, r))
         print(f"  time split: draft {r['ms_per_draft_step']:.2f} ms/draft step, verify {r['ms_per_verify']:.2f} ms "
               f"(baseline {r['baseline_ms_per_verify']:.2f} ms/forward), {r['ms_per_token']:.2f} ms/token vs "
               f"baseline {r['baseline_ms_per_token']:.2f}; predicted tau (Leviathan, iid alpha) "

@@ -29,8 +29,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
-                                load_tokenizer, resolve_target)
-from specdistill.train.eagle3 import resolve_aux_layers
+                                load_tokenizer, resolve_aux_layers, resolve_target)
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1

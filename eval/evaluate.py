@@ -8,7 +8,6 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 from __future__ import annotations
 
 import platform
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,21 +15,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill import kinds, layout, metrics
-from specdistill.errors import SpecdistillError
+from specdistill import kinds, layout
 from specdistill.eval import comparators
-from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
+from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
 from specdistill.eval.prompts import load_prompts
-from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
+from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics
+from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
+from specdistill.eval.summary import measure_costs, summarise_temperature, summarise_tree
+from specdistill.eval.tables import summary_line
 from specdistill.eval.tree import TreeDecoder
-from specdistill.formats import checkpoint_fingerprint, read_draft_config, read_metrics, write_eval
+from specdistill.formats import checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.target import load_target, load_target_config, load_tokenizer
+
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
 
-
-# ----------------------------------------------------------------------------- small pieces
 
 def cpu_name() -> str:
     try:
@@ -46,151 +47,8 @@ def hardware() -> dict:
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
 
 
-def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
-    """'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
-    included: enough points for the data-scaling curve without decoding with every one), or one
-    checkpoint named step-N / step-000000N / N."""
-    found = layout.checkpoints(run_dir)
-    if not found:
-        raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
-    if which in (None, "all"):
-        return found
-    if which == "last":
-        return found[-1:]
-    if which == "best":
-        link = layout.best_link(run_dir)
-        if not link.exists():
-            raise SpecdistillError(f"--checkpoint best: {link} does not exist (training links it at each save)")
-        best = [p for p in found if p.resolve() == link.resolve()]
-        if not best:
-            raise SpecdistillError(f"--checkpoint best: {link} points at {link.resolve().name}, not a complete checkpoint")
-        return best
-    if isinstance(which, int):
-        n = max(1, which)
-        picks = sorted({round(i * (len(found) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [len(found) - 1]
-        return [found[i] for i in picks]
-    step = layout.parse_step(which)
-    if step is None:
-        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all', 'last' or 'best'")
-    for p in found:
-        if layout.step_of(p) == step:
-            return [p]
-    raise SpecdistillError(f"--checkpoint {which}: no complete checkpoint {layout.step_dir(run_dir, step)}; "
-                           f"have: {', '.join(p.name for p in found)}")
-
-
-def heldout_metrics(step_dir: Path) -> dict | None:
-    """The offline metrics training wrote for this checkpoint (metrics.json -> heldout)."""
-    saved = read_metrics(step_dir)
-    if saved is None:
-        return None
-    held = saved.get("heldout", saved)
-    if not isinstance(held, dict) or not any(k in held for k in metrics.OFFLINE_KEYS):
-        return None
-    return {k: held.get(k) for k in (*metrics.OFFLINE_KEYS, *metrics.HELDOUT_EXTRA_KEYS) if k in held}
-
-
-def checkpoint_tokens_seen(step_dir: Path) -> int | None:
-    """Cumulative training tokens (non-pad, all ranks) when this checkpoint was saved (metrics.json -> tokens_seen);
-    None for checkpoints trained before train/loop.py recorded it."""
-    try:
-        value = (read_metrics(step_dir) or {}).get("tokens_seen")
-    except (SpecdistillError, AttributeError):
-        return None
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def reduced_draft_ids(draft, vocab_size: int) -> torch.Tensor | None:
-    """The target ids of a head's reduced draft vocabulary (EAGLE-3: draft id i -> target id i + d2t[i]);
-    None for drafts over the whole vocabulary."""
-    ids = kinds.kind_of(draft).draft_vocabulary(draft)
-    return ids.detach().cpu().long() if ids is not None and ids.numel() < vocab_size else None
-
-
-VOCAB_COVERAGE_EVAL_NOTE = ("share of the target's plain greedy (T=0) output tokens on the eval prompts that lie in the "
-                            "draft vocabulary: a greedy token outside it can never be accepted. The held-out "
-                            "`vocab_coverage` is another quantity: the target's probability mass (T=1) inside it")
-
-
-def vocab_coverage_eval(draft, outputs: list[list[int]], vocab_size: int) -> dict:
-    """{vocab_coverage_eval, vocab_coverage_eval_tokens, draft_vocab_size}: the share of `outputs` (the target's
-    greedy tokens) inside a reduced draft vocabulary; the coverage is None for heads without one."""
-    ids = reduced_draft_ids(draft, vocab_size)
-    tokens = [t for out in outputs for t in out]
-    if ids is None:
-        return {"vocab_coverage_eval": None, "vocab_coverage_eval_tokens": len(tokens), "draft_vocab_size": None}
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[ids] = True
-    hits = int(inside[torch.tensor(tokens, dtype=torch.long)].sum()) if tokens else 0
-    return {"vocab_coverage_eval": hits / len(tokens) if tokens else None, "vocab_coverage_eval_tokens": len(tokens),
-            "draft_vocab_size": int(ids.numel())}
-
-
-def best_k(speedup_by_k: dict[str, float]) -> int:
-    """The K whose measured speedup was highest (eval.k and every K of eval.k_sweep, same prompts and run)."""
-    return int(max(speedup_by_k, key=lambda k: (speedup_by_k[k], -int(k))))
-
-
-def predicted_speedup(tau: float, k: int, d: float, v: dict[str, float]) -> float | None:
-    """tau / (K d + v(K+1)): the per-step speedup the measured costs predict (docs/DESIGN.md, Costs)."""
-    vk = v.get(str(k + 1))
-    return tau / (k * d + vk) if vk else None
-
-
-# ----------------------------------------------------------------------------- offline on the prompts
-
-@torch.inference_mode()
-def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations: list[list[int]],
-                       temperature: float = 1.0, continuations_label: str | None = None) -> dict:
-    """fkl, tvd, predicted_alpha, top1 at `temperature` over the continuation positions, teacher-forced:
-    first-draft quantities (what alpha_at[0] measures), not pooled over depths.
-
-    The continuation is the target's own output: greedy for the T=0 comparison (top-1), sampled at T for
-    the T>0 one (predicted alpha). EAGLE heads read the target's real features (position t: token t+1 and
-    f[t]), one step ahead, exactly as in training.
-    """
-    draft_kind = kinds.kind_of(draft)
-    sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
-    reduced = reduced_draft_ids(draft, target.config.vocab_size)
-    if reduced is not None:
-        sums["vocab_coverage"] = 0.0
-    positions = 0
-    for prompt, cont in zip(prompt_ids, continuations):
-        if not cont or len(prompt) < 2:
-            continue
-        seq = torch.tensor([prompt + cont])
-        p_logits, q_logits = draft_kind.prompt_logits(draft, target, seq)  # row j predicts token j+1
-        rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
-        log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
-        log_q = torch.log_softmax(q_logits[rows].float() / temperature, -1)
-        per = metrics.divergences(log_p, log_q, ("fkl", "tvd"))
-        sums["fkl"] += per["fkl"].sum().item()
-        sums["tvd"] += per["tvd"].sum().item()
-        sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
-        if reduced is not None:  # the target's probability mass inside the draft vocabulary (held-out's definition)
-            sums["vocab_coverage"] += log_p.exp()[:, reduced.to(log_p.device)].sum(-1).sum().item()
-        positions += log_p.shape[0]
-    if positions == 0:
-        return {"positions": 0}
-    out = {k: v / positions for k, v in sums.items()}
-    out["predicted_alpha"] = 1.0 - out["tvd"]
-    out["distribution"] = "full vocabulary"
-    if draft_kind.PROMPTS_FKL_NOTE:  # q is zero outside a reduced draft vocabulary: KL(p||q) is infinite there
-        out["fkl"] = None
-        out["note"] = draft_kind.PROMPTS_FKL_NOTE
-        out["distribution"] = f"full vocabulary (q zero outside the {draft_kind.LABEL} draft vocabulary)"
-    return {**out, "positions": positions, "temperature": temperature,
-            "continuations": continuations_label or "the target's own greedy outputs (baseline, T=0)"}
-
-
-# ----------------------------------------------------------------------------- one checkpoint
-
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _speedup(spec: dict, base: dict) -> float:
-    return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
 
 
 WARMUP_TOKENS = 8
@@ -264,118 +122,6 @@ def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
             top = logits[-1].float().topk(2).values
             found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
     return found
-
-
-def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
-    """The runtime's cost curve: ms of one forward over M = 1..9 new tokens (and the tree's size) after a
-    128-token cached prefix of real prompt text, and v(M) = ms(M) / ms(1)."""
-    ids = [t for p in prompts for t in p.ids] or [0]
-    sizes = list(range(1, 10))
-    if tree is not None:
-        sizes.append(tree.shape.verified_tokens)
-    while len(ids) < 128 + max(sizes):
-        ids = ids + ids
-    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
-    return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
-            "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
-
-
-def cost_terms(spec: dict, tau_by_k: dict, costs: dict | None) -> dict:
-    """d = ms per draft step / ms of a 1-token forward; the speedup tau / (K d + v(K+1)) predicts per K."""
-    if not costs:
-        return {}
-    d = spec["ms_per_draft_step"] / costs["forward_ms"]["1"]
-    return {"d": d, "predicted_speedup_by_k": {k: predicted_speedup(tau, int(k), d, costs["v"])
-                                               for k, tau in tau_by_k.items()}}
-
-
-def summarise_tree(tree_cfg, base_runs, tree_runs) -> dict:
-    """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
-    t, base = merge_counts(tree_runs), merge_counts(base_runs)
-    return {"shape": tree_cfg.model_dump(exclude_none=True), "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
-            "speedup": _speedup(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
-            "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
-            "nodes_per_step": sum(r.nodes for r in tree_runs) / max(1, t["steps"]),
-            "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
-
-
-BOOTSTRAP_SAMPLES = 2000
-CI_NOTE = (f"95% percentile bootstrap over prompts ({BOOTSTRAP_SAMPLES} resamples of the prompt set, seed 0): "
-           "tau, alpha and speedup recomputed from the pooled counts and times of each resample")
-
-
-def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
-    """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
-
-    Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
-    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s)
-           for s, b in zip(spec_runs, base_runs)]
-    n = len(per)
-    if n == 0:
-        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None}
-    rng = random.Random(seed)
-    taus, alphas, speedups = [], [], []
-    for _ in range(samples):
-        pick = [per[rng.randrange(n)] for _ in range(n)]
-        tok, steps, acc, tested, secs, btok, bsecs = (sum(x) for x in zip(*pick))
-        taus.append(tok / steps if steps else 0.0)
-        alphas.append(acc / tested if tested else 0.0)
-        speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
-
-    def interval(xs):
-        xs = sorted(xs)
-        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
-
-    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups)}
-
-
-def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, costs: dict | None = None) -> dict:
-    """costs: the runtime's measured forward cost curve (`measure_costs`), for d and the predicted speedups."""
-    base, spec = merge_counts(base_runs), merge_counts(spec_runs[main_k])
-    speedup_by_k = {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
-    tau_by_k = {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())}
-    k_best = best_k(speedup_by_k)
-    lossless = None
-    if temperature == 0:
-        lossless = all(s.tokens == b.tokens for runs in spec_runs.values() for s, b in zip(runs, base_runs))
-    per_category = {}
-    for cat in sorted({p.category for p in prompts}):
-        idx = [i for i, p in enumerate(prompts) if p.category == cat]
-        s = merge_counts([spec_runs[main_k][i] for i in idx])
-        b = merge_counts([base_runs[i] for i in idx])
-        per_category[cat] = {"tau": s["tau"], "alpha": s["alpha"], "speedup": _speedup(s, b), "num_prompts": len(idx)}
-    return {
-        "temperature": temperature,
-        "tau": spec["tau"],
-        "alpha": spec["alpha"],
-        "alpha_at": spec["alpha_at"],
-        "speedup": _speedup(spec, base),
-        "tokens_per_s": spec["tokens_per_s"],
-        "baseline_tokens_per_s": base["tokens_per_s"],
-        "lossless": lossless,
-        "ms_per_draft_step": spec["ms_per_draft_step"],
-        "ms_per_verify": spec["ms_per_verify"],
-        "ms_per_token": spec["ms_per_token"],
-        "baseline_ms_per_token": base["ms_per_token"],
-        "baseline_ms_per_verify": base["ms_per_verify"],
-        "tau_by_k": tau_by_k,
-        "speedup_by_k": speedup_by_k,
-        **cost_terms(spec, tau_by_k, costs),
-        "best_k": k_best,
-        "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} "
-                       "(eval.k and eval.k_sweep, same prompts, same run)",
-        "predicted_tau_leviathan": metrics.leviathan_tau(spec["alpha"], main_k),
-        **bootstrap_ci95(base_runs, spec_runs[main_k]),
-        "ci_method": CI_NOTE,
-        "tokens": spec["tokens"],
-        "steps": spec["steps"],
-        "per_category": per_category,
-    }
-
-
-def eval_settings(recipe) -> dict:
-    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
-    return recipe.eval.model_dump(mode="json")
 
 
 def transformers_greedy(target, prompts, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
@@ -492,22 +238,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     }
 
 
-def summary_line(report: dict, r: dict) -> str:
-    lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
-    vs_hf = {True: " (transformers: yes)", False: " (transformers: NO)"}.get(r.get("lossless_vs_transformers"), "")
-    ci = (f"  speedup 95% CI [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
-          if r.get("speedup_ci95") else "")
-    return (f"{report['checkpoint']} T={r['temperature']:g} K={report['k']}: tau {r['tau']:.2f}  "
-            f"alpha {r['alpha']:.3f}  speedup {r['speedup']:.2f}x ({r['tokens_per_s']:.1f} vs "
-            f"{r['baseline_tokens_per_s']:.1f} tok/s)  draft {r['ms_per_draft_step']:.1f} ms/step  "
-            f"verify {r['ms_per_verify']:.1f} ms  lossless {lossless}{vs_hf}  best K {r['best_k']}{ci}")
-
-
-# ----------------------------------------------------------------------------- the stage
-
 def run(recipe, args) -> list[Path]:
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
-    steps = select_checkpoints(recipe.run_dir, which)
+    steps = layout.select_checkpoints(recipe.run_dir, which)
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))

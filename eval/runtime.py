@@ -307,34 +307,6 @@ class StaticRuntime:
         return logits[0], ([s[0] for s in states] if hidden else None)
 
 
-class StaticEagle3Head:
-    """An EAGLE-3 head's drafting forward over a SlotCache: the same computation as `Eagle3Head.forward`
-    for a chain (causal over the head's own cache), without transformers' per-call cache and mask work;
-    what the engine runs when the target runs in the static runtime."""
-
-    def __init__(self, head):
-        self.head = head
-        layer = head.layers[0]
-        self.layer = layer
-        self.cache = SlotCache(1, layer.self_attn, head.rotary_emb, head.fc.weight.dtype)
-
-    def reset(self, capacity: int) -> None:
-        self.cache.reset(capacity)
-
-    def forward(self, ids: torch.Tensor, state: torch.Tensor, past: int) -> torch.Tensor:
-        """ids [M] (token t+1 of each position), state [1, M, H] -> the head's output states [1, M, H]."""
-        layer, cache = self.layer, self.cache
-        m = ids.numel()
-        cache.check(past + m)
-        slots = torch.arange(past, past + m)
-        emb = self.head.embed_tokens(ids[None]).to(state.dtype)
-        x = torch.cat([_rms_norm(emb, layer.input_layernorm), _rms_norm(state, layer.hidden_norm)], dim=-1)
-        h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
-        mlp = layer.mlp
-        g = _rms_norm(h, layer.post_attention_layernorm)
-        return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(g)) * mlp.up_proj(g))
-
-
 def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[str, float]:
     """Median ms of one forward over M new tokens after the first len(ids) - max(sizes) tokens are cached,
     for each M in `sizes` (the cost curve behind v(M) = ms(M) / ms(1)); one untimed forward first."""

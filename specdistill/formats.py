@@ -6,6 +6,11 @@ fixtures alike, so that nothing re-encodes a format by hand. Paths come from spe
   checkpoint       step-XXXXXXX/{draft.safetensors, draft_config.json, metrics.json, COMPLETE}
                    (train/checkpoint.py adds ds/, DeepSpeed's own state)
   eval result      eval/<checkpoint>.json
+  export           export/<format>/{config.json, model.safetensors, README.md}
+  released head    a directory of config.json + *.safetensors (draft.init_from)
+
+torch and safetensors are imported by the functions that read or write tensors, so that the JSON formats
+(what `specdistill report` reads) load without torch.
 """
 from __future__ import annotations
 
@@ -14,10 +19,12 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from specdistill.errors import SpecdistillError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -73,14 +80,37 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """One cache shard (whole sequences on a flat token axis, with `seq_lens`), written under a temp name
     and renamed; returns its manifest entry."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
+    write_safetensors(tmp, tensors)
     os.replace(tmp, path)
     return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
             "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def read_shard(path: Path) -> dict[str, torch.Tensor]:
+def read_shard(path: Path, keys=None) -> dict[str, torch.Tensor]:
+    """A cache shard's tensors (only `keys`, when given: the others are not read)."""
+    if keys is None:
+        return read_safetensors(path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in keys}
+
+
+def shard_paths(cache_dir: Path, split: str) -> list[Path]:
+    """The shard files of a cache split, in order."""
+    return sorted((Path(cache_dir) / split).glob("shard-*.safetensors"))
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     return load_file(str(path))
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def sha256_file(path: Path) -> str:
@@ -98,7 +128,7 @@ def write_checkpoint(step_dir: Path, own_state: dict[str, torch.Tensor], draft_c
     config dict), step, ...}; metrics: {step, heldout: {...}, ...}."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in own_state.items()}, str(step_dir / "draft.safetensors"))
+    write_safetensors(step_dir / "draft.safetensors", {k: v.detach().cpu().contiguous() for k, v in own_state.items()})
     write_json_atomic(step_dir / "draft_config.json", draft_config)
     write_json_atomic(step_dir / "metrics.json", metrics)
     (step_dir / "COMPLETE").write_text(f"{draft_config.get('step')}\n")
@@ -121,7 +151,7 @@ def read_checkpoint(step_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     step_dir = Path(step_dir)
     if not (step_dir / "COMPLETE").exists():
         raise SpecdistillError(f"{step_dir}: checkpoint is incomplete (no COMPLETE marker)")
-    return read_draft_config(step_dir), load_file(str(step_dir / "draft.safetensors"))
+    return read_draft_config(step_dir), read_safetensors(step_dir / "draft.safetensors")
 
 
 def checkpoint_fingerprint(step_dir: Path) -> str:
@@ -161,3 +191,28 @@ def read_eval(path: Path) -> dict:
             raise SpecdistillError(f"{path}: results[{i}] has no 'temperature'")
     data["_file"] = str(path)
     return data
+
+
+# ---- export, released heads ---------------------------------------------------------------------------
+
+def write_export(out: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """An export's config.json and model.safetensors (tensors sorted by name, as vLLM and HF write them)."""
+    out = Path(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(out / "model.safetensors", {k: v.contiguous() for k, v in sorted(state.items())},
+                      metadata={"format": "pt"})
+
+
+def read_released_head(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, every *.safetensors merged) of a head directory; SpecdistillError naming what is missing."""
+    d = Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        raise SpecdistillError(f"draft.init_from {path}: expected a directory with config.json and *.safetensors "
+                               f"(a vllm-eagle, vllm-eagle3 or speculators head)")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise SpecdistillError(f"draft.init_from {path}: no .safetensors weight files")
+    state = {}
+    for f in files:
+        state.update(read_safetensors(f))
+    return read_json(d / "config.json"), state

@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from specdistill.errors import SpecdistillError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEP_DIR = re.compile(r"^step-(\d{7})$")
 
@@ -48,6 +50,47 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def best_link(run_dir: Path) -> Path:
     """A link to the checkpoint with the best held-out train.best_metric (train/checkpoint.py)."""
     return run_dir / "best"
+
+
+def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
+    """The one checkpoint selector (eval, export): 'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
+    included: enough points for the data-scaling curve without decoding with every one), or one
+    checkpoint named step-N / step-000000N / N."""
+    found = checkpoints(run_dir)
+    if not found:
+        raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
+    if which in (None, "all"):
+        return found
+    if which == "last":
+        return found[-1:]
+    if which == "best":
+        link = best_link(run_dir)
+        if not link.exists():
+            raise SpecdistillError(f"--checkpoint best: {link} does not exist (training links it at each save)")
+        best = [p for p in found if p.resolve() == link.resolve()]
+        if not best:
+            raise SpecdistillError(f"--checkpoint best: {link} points at {link.resolve().name}, not a complete checkpoint")
+        return best
+    if isinstance(which, int):
+        n = max(1, which)
+        picks = sorted({round(i * (len(found) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [len(found) - 1]
+        return [found[i] for i in picks]
+    step = parse_step(which)
+    if step is None:
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all', 'last' or 'best'")
+    for p in found:
+        if step_of(p) == step:
+            return [p]
+    raise SpecdistillError(f"--checkpoint {which}: no complete checkpoint {step_dir(run_dir, step)}; "
+                           f"have: {', '.join(p.name for p in found)}")
+
+
+def select_checkpoint(run_dir: Path, which: str | None) -> Path:
+    """One checkpoint: `select_checkpoints`' names, None meaning the last."""
+    found = select_checkpoints(run_dir, which or "last")
+    if which == "all" or len(found) != 1:
+        raise SpecdistillError(f"--checkpoint {which}: expected one checkpoint (step-N, N, 'last' or 'best')")
+    return found[0]
 
 
 def eval_dir(run_dir: Path) -> Path:

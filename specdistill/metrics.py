@@ -10,8 +10,10 @@ from acceptance per draft depth.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the divergences take tensors and use their methods: this module loads without torch
+    import torch
 
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")  # zero exactly where q = p
 NAMES = DIVERGENCES + ("argmax_ce",)  # every loss term a recipe may weight
@@ -26,7 +28,7 @@ def kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     """sum_x a (log a - log b) over the last axis; outcomes with a = 0 contribute 0 (no inf - inf)."""
     a = log_a.exp()
     terms = a * (log_a - log_b)
-    return torch.where(a > 0, terms, torch.zeros_like(terms)).sum(-1)
+    return terms.where(a > 0, terms.new_zeros(())).sum(-1)
 
 
 def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -43,10 +45,10 @@ def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=DIVERGENCES, bet
             out[name] = kl(log_q, log_p)
         elif name == "jsd":
             if beta in (0.0, 1.0):  # m = q (or p): both KL terms vanish
-                out[name] = torch.zeros(log_p.shape[:-1], dtype=log_p.dtype, device=log_p.device)
+                out[name] = log_p.new_zeros(log_p.shape[:-1])
                 continue
-            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
-            log_m = torch.where(log_p == log_q, log_p, log_m)  # m = p exactly where q = p (no rounding)
+            log_m = (log_p + math.log(beta)).logaddexp(log_q + math.log(1 - beta))
+            log_m = log_p.where(log_p == log_q, log_m)  # m = p exactly where q = p (no rounding)
             out[name] = beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
         elif name == "tvd":
             out[name] = tvd(log_p, log_q)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 import yaml
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from specdistill import metrics
+from specdistill import kinds
 from specdistill.errors import SpecdistillError
-from specdistill.kinds import draft_lm, eagle, eagle3
 from specdistill.layout import REPO_ROOT
 from specdistill.section import Section
 
@@ -71,22 +70,12 @@ class CacheConfig(Section):
                                              "(the template's enable_thinking; Qwen3); None: the template's default")
 
 
-# The draft section: one schema per kind (specdistill/kinds/), chosen by `kind`; keys of another kind are refused.
-DraftConfig = Annotated[eagle.Config | eagle3.Config | draft_lm.Config, Field(discriminator="kind")]
-KIND_NAMES = (eagle.NAME, eagle3.NAME, draft_lm.NAME)
-LoraConfig = draft_lm.LoraConfig
-
-
-class LossConfig(Section):
-    terms: dict[Literal[metrics.NAMES], float] = Field(default_factory=lambda: {"fkl": 1.0})
-    temperature: float = Field(1.0, gt=0.0)
-    jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
-    feature_weight: float = Field(1.0, ge=0.0, description="eagle: weight of the Smooth-L1 feature regression")
-    distribution_weight: float = Field(0.1, ge=0.0, description="eagle: weight of the distribution loss")
-    feature_noise: float = Field(0.2, ge=0.0, description="eagle: uniform noise half-width, in units of feature std")
-    distribution_sample: float = Field(1.0, gt=0.0, le=1.0,
-                                       description="eagle: share of positions that pay for the full-vocabulary distribution loss")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight decay**s of unroll step s")
+# The draft and loss sections: one schema each per kind (specdistill/kinds/<kind>/config.py), chosen by the
+# draft's `kind`; keys of another kind are refused. Built from the registry: a new kind needs no line here.
+KIND_NAMES = kinds.KIND_NAMES
+DraftConfig = Annotated[Union[tuple(k.Config for k in kinds.all_kinds())], Field(discriminator="kind")]
+LossConfig = Annotated[Union[tuple(k.Loss for k in kinds.all_kinds())], Field(discriminator="kind")]
+ExportFormat = Literal[tuple(kinds.export_formats())]
 
 
 class TrainConfig(Section):
@@ -184,7 +173,7 @@ class EvalConfig(Section):
 
 
 class ExportConfig(Section):
-    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "hf"]] | None = None
+    formats: list[ExportFormat] | None = None
     num_speculative_tokens: int | None = None
 
 
@@ -199,13 +188,23 @@ class Recipe(Section):
     corpus: CorpusConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)
     draft: DraftConfig
-    loss: LossConfig = Field(default_factory=LossConfig)
+    loss: LossConfig = Field(default=None, validate_default=True, description="the distribution loss "
+                             "(specdistill/kinds/common/config.py) and the draft kind's own loss keys")
     train: TrainConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
 
     # Filled by load_recipe, not by the YAML.
     source: str = Field("", exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_of_the_draft_kind(cls, data):
+        """The loss section is validated as the draft kind's (its `Loss`): tag it with draft.kind."""
+        if isinstance(data, dict) and isinstance(data.get("draft"), dict) and (
+                data.get("loss") is None or isinstance(data.get("loss"), dict)):
+            data = {**data, "loss": {**(data.get("loss") or {}), "kind": data["draft"].get("kind")}}
+        return data
 
     @property
     def output_root(self) -> Path:
@@ -244,7 +243,7 @@ def _set(tree: dict, parts: list[str], value: object, origin: str) -> None:
 
 
 # Tags of the discriminated unions, which pydantic puts into an error's location (draft.eagle3.ttt_steps).
-UNION_TAGS = {"draft": set(KIND_NAMES), "tree": {"static", "dynamic"}}
+UNION_TAGS = {"draft": set(KIND_NAMES), "loss": set(KIND_NAMES), "tree": {"static", "dynamic"}}
 
 
 def _format_errors(path: str, err: ValidationError) -> str:
@@ -253,6 +252,8 @@ def _format_errors(path: str, err: ValidationError) -> str:
         loc = [str(x) for x in e["loc"]]
         loc = [x for i, x in enumerate(loc) if not (i and x in UNION_TAGS.get(loc[i - 1], ()))]
         key = ".".join(loc) or "(top level)"
+        if key == "loss" and e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            continue  # an unknown draft.kind: said once, for the draft section
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key '{key}'")
         elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # draft.kind, eval.tree.kind

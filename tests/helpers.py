@@ -10,8 +10,10 @@ from transformers import AutoConfig
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.sampling import accept_mask, residual, sample
 from specdistill.recipe import load_recipe
-from specdistill.train.eagle import EagleHead
-from specdistill.train.export import check_config_fits, check_eagle_weights, scale_embedding_half
+from specdistill.kinds.eagle.model import EagleHead
+from specdistill.kinds.common.released import check_head_weights
+from specdistill.kinds.eagle.formats import check_config_fits
+from specdistill.kinds.eagle.model import scale_embedding_half
 
 
 def tiny_recipe(tmp_path: Path, target_dir: Path, eval_section: str = "{k: 3}"):
@@ -48,7 +50,7 @@ def load_vllm_eagle(export_dir: Path, target_model):
     check_config_fits(export_dir / "config.json", config.to_dict(), target_model.config)
     head = EagleHead(config)
     state = load_file(export_dir / "model.safetensors")
-    check_eagle_weights(export_dir / "model.safetensors", state,
+    check_head_weights(export_dir / "model.safetensors", state,
                         {k: tuple(v.shape) for k, v in head.own_state_dict().items()})
     state["fc.weight"] = scale_embedding_half(state["fc.weight"], target_model.config, fold=False)
     head.load_own_state_dict(state)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdistill.train.eagle3 import (Eagle3Head, default_aux_layers, draft_vocab_from_counts, ttt_forward,
-                                      vocab_maps)
+from specdistill.kinds.eagle3.model import Eagle3Head, draft_vocab_from_counts, vocab_maps
+from specdistill.kinds.eagle3.objective import ttt_forward
+from specdistill.target import default_aux_layers
 from tests.conftest import tiny_model
 
 
@@ -126,7 +127,7 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     head = load_draft(steps[-1], target)
     assert isinstance(head, Eagle3Head) and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
     from specdistill.data.cache_reader import CacheDataset
-    from specdistill.kinds.eagle3 import aux_feature_std
+    from specdistill.kinds.eagle3.model import aux_feature_std
 
     std = aux_feature_std(CacheDataset(layout.cache_dir(recipe.run_dir), "train"))
     assert torch.allclose(head.aux_scale, 1 / std) and not torch.allclose(std, torch.ones_like(std))
@@ -144,7 +145,7 @@ LLAMA_HEAD_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", 
 def test_llama_head_keeps_its_config_and_names():
     """A Llama target's head is built from the target's own config cut to one layer: checkpoints of runs made
     before any other target was supported load unchanged."""
-    from specdistill.train.eagle import llama_layer_config, one_layer_config
+    from specdistill.kinds.common.llama_layer import llama_layer_config, one_layer_config
 
     target = tiny_model("llama", vocab_size=300, layers=4)
     assert llama_layer_config(target.config).to_dict() == one_layer_config(target.config).to_dict()
@@ -153,7 +154,8 @@ def test_llama_head_keeps_its_config_and_names():
 
 @torch.no_grad()
 def test_other_targets_get_a_llama_layer_initialised_from_their_last_layer(tmp_path):
-    from specdistill.train.eagle import EagleHead, init_layer_from_target
+    from specdistill.kinds.common.llama_layer import init_layer_from_target
+    from specdistill.kinds.eagle.model import EagleHead
 
     for model_type in ("qwen3", "gemma3_text"):
         target = tiny_model(model_type, vocab_size=300, layers=3)

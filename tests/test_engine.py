@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdistill.errors import SpecdistillError
 from specdistill.eval import sampling
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
-from specdistill.kinds.eagle import EagleDrafter
-from specdistill.train.eagle import EagleHead
+from specdistill.kinds.eagle.drafter import EagleDrafter
+from specdistill.kinds.eagle.model import EagleHead
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,7 +32,7 @@ def eagle_for(target):
 
 
 def eagle3_for(target, draft_ids):
-    from specdistill.train.eagle3 import Eagle3Head
+    from specdistill.kinds.eagle3.model import Eagle3Head
 
     torch.manual_seed(8)
     layers = target.config.num_hidden_layers

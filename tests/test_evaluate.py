@@ -9,12 +9,14 @@ import torch
 
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import evaluate
+from specdistill.eval import evaluate, offline, summary
+from specdistill.eval.engine import eos_token_ids
+from specdistill.formats import checkpoint_fingerprint
 from specdistill.eval.prompts import load_prompts
 from specdistill.formats import write_checkpoint
 from tests.helpers import tiny_recipe
 from specdistill.target import load_target, load_tokenizer
-from specdistill.train.eagle import EagleHead
+from specdistill.kinds.eagle.model import EagleHead
 
 QUESTIONS = [("writing", "Write a short poem about the sea."),
              ("math", "What is 12 times 7?"),
@@ -90,7 +92,7 @@ def test_eval_stage_end_to_end(setup, capsys):
             assert low <= r[key] <= high, (key, r[key], low, high)
     assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
     assert greedy["lossless_vs_transformers"] is True and "lossless_vs_transformers" not in sampled
-    assert report["checkpoint_fingerprint"] == evaluate.checkpoint_fingerprint(layout.step_dir(recipe.run_dir, 2))
+    assert report["checkpoint_fingerprint"] == checkpoint_fingerprint(layout.step_dir(recipe.run_dir, 2))
     assert report["eval_settings"] == recipe.eval.model_dump(mode="json") and report["evaluated_at"].endswith("Z")
     assert report["offline"]["prompts_sampled"]["temperature"] == 1.0
     assert "sampled" in report["offline"]["prompts_sampled"]["continuations"]
@@ -125,7 +127,7 @@ def test_offline_on_prompts_self_draft_is_perfect(setup):
     tok = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tok)
     cont = [[5, 6, 7, 8], [9, 10, 11]]
-    m = evaluate.offline_on_prompts(target, target, [p.ids for p in prompts[:2]], cont)
+    m = offline.offline_on_prompts(target, target, [p.ids for p in prompts[:2]], cont)
     assert m["positions"] == 7 and m["top1"] == 1.0 and abs(m["fkl"]) < 1e-5 and m["predicted_alpha"] > 0.9999
 
 
@@ -135,18 +137,18 @@ def test_missing_or_unknown_checkpoint_stops(setup):
         evaluate.run(recipe, argparse.Namespace(checkpoint=None))
     write_eagle_checkpoint(recipe, target, 1)
     with pytest.raises(SpecdistillError, match="no complete checkpoint .*step-0000005.*have: step-0000001"):
-        evaluate.select_checkpoints(recipe.run_dir, "step-5")
-    assert evaluate.select_checkpoints(recipe.run_dir, "step-1")[0].name == "step-0000001"
+        layout.select_checkpoints(recipe.run_dir, "step-5")
+    assert layout.select_checkpoints(recipe.run_dir, "step-1")[0].name == "step-0000001"
 
 
 def test_checkpoint_selection_spread_and_best(setup):
     recipe, target = setup
     for step in (1, 2, 3, 4, 5):
         write_eagle_checkpoint(recipe, target, step)
-    names = lambda which: [p.name[-1] for p in evaluate.select_checkpoints(recipe.run_dir, which)]
+    names = lambda which: [p.name[-1] for p in layout.select_checkpoints(recipe.run_dir, which)]
     assert names(3) == ["1", "3", "5"] and names(2) == ["1", "5"] and names(1) == ["5"] and names(9) == list("12345")
     with pytest.raises(SpecdistillError, match="best"):
-        evaluate.select_checkpoints(recipe.run_dir, "best")
+        layout.select_checkpoints(recipe.run_dir, "best")
     (recipe.run_dir / "best").symlink_to("step-0000002")
     assert names("best") == ["2"]
 
@@ -174,10 +176,10 @@ def test_leviathan_and_best_k():
     assert metrics.leviathan_tau(0.5, 3) == pytest.approx(1.875)
     assert metrics.leviathan_tau(1.0, 3) == 4.0
     # best K = the highest measured speedup; a tie goes to the shorter chain
-    assert evaluate.best_k({"2": 1.10, "3": 1.21, "4": 1.05}) == 3
-    assert evaluate.best_k({"4": 0.9, "2": 0.9}) == 2
+    assert summary.best_k({"2": 1.10, "3": 1.21, "4": 1.05}) == 3
+    assert summary.best_k({"4": 0.9, "2": 0.9}) == 2
     # tau / (K d + v(K+1)): tau 2 with K=3, d 0.05, v(4) 1.1 -> 2 / 1.25
-    assert evaluate.predicted_speedup(2.0, 3, 0.05, {"4": 1.1}) == pytest.approx(1.6)
+    assert summary.predicted_speedup(2.0, 3, 0.05, {"4": 1.1}) == pytest.approx(1.6)
 
 
 def greedy_chain_only(setup):
@@ -213,6 +215,7 @@ def test_mtbench_prompts_are_spread_over_categories(smollm_tokenizer):
 
 def test_tree_drafting_is_measured_beside_the_chain(setup, tmp_path):
     from specdistill.eval import report as report_mod
+    from specdistill.eval import results
 
     recipe, target = setup
     recipe.eval.temperature = [0.0, 1.0]
@@ -226,7 +229,7 @@ def test_tree_drafting_is_measured_beside_the_chain(setup, tmp_path):
     tree = greedy["tree"]
     assert tree["lossless"] is True and tree["tau"] >= 1.0 and tree["nodes_per_step"] > 0
     assert len(tree["alpha_at"]) == 3 and "tree" not in sampled  # trees are greedy-only
-    path, _ = report_mod.write_report({"tiny": report_mod.load_evals(recipe.run_dir)}, tmp_path / "rep", "specdistill report")
+    path, _ = report_mod.write_report({"tiny": results.load_evals(recipe.run_dir)}, tmp_path / "rep", "specdistill report")
     text = path.read_text()
     assert "## Chain vs tree drafting (T=0)" in text and "tree (kind=dynamic" in text and "chain K=3" in text
 
@@ -320,11 +323,11 @@ def test_bootstrap_interval_covers_the_spread_of_prompts():
 
     spec = [run(10, 2, 8, 8, 1.0), run(10, 10, 0, 9, 2.0)] * 5
     base = [run(10, 10, 0, 0, 1.0)] * 10
-    ci = evaluate.bootstrap_ci95(base, spec)
+    ci = summary.bootstrap_ci95(base, spec)
     assert 1.0 < ci["tau_ci95"][0] < 100 / 60 < ci["tau_ci95"][1] < 5.0
     assert ci["alpha_ci95"][0] < 40 / 85 < ci["alpha_ci95"][1]
     assert ci["speedup_ci95"][0] < (100 / 15) / (100 / 10) < ci["speedup_ci95"][1]
-    same = evaluate.bootstrap_ci95(base, [run(10, 2, 8, 8, 1.0)] * 10)
+    same = summary.bootstrap_ci95(base, [run(10, 2, 8, 8, 1.0)] * 10)
     assert same["tau_ci95"] == [5.0, 5.0] and same["speedup_ci95"] == [1.0, 1.0]
 
 
@@ -356,7 +359,7 @@ def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_dra
     with torch.no_grad():  # a louder MLP: the random target's greedy outputs then differ between prompts (not all newlines)
         for layer in target.model.layers:
             layer.mlp.down_proj.weight.mul_(10.0)
-    eos = evaluate.eos_token_ids(target, tokenizer)
+    eos = eos_token_ids(target, tokenizer)
     greedy = evaluate.transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, tokenizer.pad_token_id)
     tokens = [t for out in greedy for t in out]
     distinct = sorted(set(tokens))
@@ -383,9 +386,9 @@ def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_dra
 
     # direct helper: every id but one is still a reduced vocabulary; the whole vocabulary is not
     everything = eagle3_for(target, list(range(vocab)))
-    assert evaluate.vocab_coverage_eval(everything, greedy, vocab)["vocab_coverage_eval"] is None
+    assert offline.vocab_coverage_eval(everything, greedy, vocab)["vocab_coverage_eval"] is None
     missing = tokens[0]
     almost = eagle3_for(target, [t for t in range(vocab) if t != missing])
-    got = evaluate.vocab_coverage_eval(almost, greedy, vocab)
+    got = offline.vocab_coverage_eval(almost, greedy, vocab)
     assert got["vocab_coverage_eval"] == pytest.approx(1 - tokens.count(missing) / len(tokens))
     assert got["draft_vocab_size"] == vocab - 1

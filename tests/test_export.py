@@ -14,15 +14,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specdistill.formats import write_checkpoint
-from specdistill.kinds import draft_lm, load_draft
+from specdistill.kinds import kind, load_draft
 from tests.helpers import load_vllm_eagle, tiny_recipe
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import load_recipe
 from specdistill.target import fingerprint_target, load_target
 from specdistill.train import export
-from specdistill.train.eagle import EagleHead
+from specdistill.kinds.eagle.model import EagleHead
 from tests.conftest import tiny_config
+
+draft_lm = kind("draft_lm")
 
 # tiny_config: H=64, I=128, 4 heads, 2 kv heads -> head_dim 16; vocab = the SmolLM2 tokenizer's
 H, I, NH, NKV, D, V = 64, 128, 4, 2, 16, 49152
@@ -178,12 +180,13 @@ def test_readme_has_serve_command_target_and_measurements(setup):
 
     eval_json = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
     eval_json.parent.mkdir(parents=True)
-    eval_json.write_text(json.dumps({"checkpoint": step_dir.name, "k": 4, "num_prompts": 2, "prompts": "p.jsonl",
+    eval_json.write_text(json.dumps({"checkpoint": step_dir.name, "step": 1, "k": 4, "num_prompts": 2, "prompts": "p.jsonl",
                                      "results": [{"temperature": 0.0, "tau": 2.5, "alpha": 0.61, "speedup": 1.4,
                                                   "lossless": True, "best_k": 5}]}))
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
     readme = (out / "README.md").read_text()
-    assert "- T=0, K=4: tau 2.500, alpha 0.610, speedup 1.40x, lossless yes, best K 5" in readme
+    assert f"- {step_dir.name} T=0 K=4: tau 2.50  alpha 0.610  speedup 1.40x" in readme
+    assert "lossless yes  best K 5" in readme
     assert "not evaluated" not in readme
     assert "num_speculative_tokens 5: the best K measured at T=0" in readme
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
@@ -237,10 +240,12 @@ def test_checkpoint_choice(setup):
     recipe, target = setup
     make_eagle_checkpoint(recipe, target.config, step=1)
     make_eagle_checkpoint(recipe, target.config, step=2)
-    assert export.pick_checkpoint(recipe.run_dir, None).name == "step-0000002"
-    assert export.pick_checkpoint(recipe.run_dir, "step-1").name == "step-0000001"
-    with pytest.raises(SpecdistillError, match="not a complete checkpoint"):
-        export.pick_checkpoint(recipe.run_dir, "7")
+    assert layout.select_checkpoint(recipe.run_dir, None).name == "step-0000002"
+    assert layout.select_checkpoint(recipe.run_dir, "step-1").name == "step-0000001"
+    with pytest.raises(SpecdistillError, match="no complete checkpoint .*step-0000007"):
+        layout.select_checkpoint(recipe.run_dir, "7")
+    with pytest.raises(SpecdistillError, match="expected one checkpoint"):  # eval's `all`: not one to export
+        layout.select_checkpoint(recipe.run_dir, "all")
 
 
 # ---------------------------------------------------------------------------------------------- hf
@@ -286,7 +291,7 @@ def test_hf_export_refuses_another_vocabulary(setup):
 
 
 def test_hf_export_of_a_trained_style_draft_lm(setup):
-    """The checkpoint exactly as training writes it (specdistill/kinds/draft_lm.py), exported and reloaded."""
+    """The checkpoint exactly as training writes it (specdistill/kinds/draft_lm/), exported and reloaded."""
     from transformers import AutoModelForCausalLM
 
     recipe, target = setup

@@ -32,6 +32,9 @@ PROMPTS = [{"category": "math", "turns": ["What is 3 plus 4?"]},
 DRAFT = {"eagle": {"kind": "eagle", "init_layer_from_target": True},
          "eagle3": {"kind": "eagle3", "draft_vocab_size": 256, "ttt_steps": 2, "init_layer_from_target": True},
          "draft_lm": {"kind": "draft_lm", "num_layers": 1, "copy_target_layers": True}}
+LOSS = {"eagle": {"feature_weight": 1.0, "distribution_weight": 0.1, "feature_noise": 0.2, "distribution_sample": 1.0},
+        "eagle3": {"feature_noise": 0.2, "ttt_decay": 0.8},
+        "draft_lm": {}}  # each kind's own loss keys (kinds/<kind>/config.py Loss); another kind's are refused
 TREE = {"kind": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}
 
 
@@ -47,8 +50,7 @@ def write_recipe(tmp_path: Path, target_dir: Path, kind: str) -> Path:
         "cache": {"mode": "offline", "dtype": "float32", "topk": 8, "store": None, "aux_layers": None,
                   "regenerate": False},
         "draft": DRAFT[kind],
-        "loss": {"terms": {"fkl": 1.0, "tvd": 0.5}, "temperature": 1.0, "jsd_beta": 0.5, "feature_weight": 1.0,
-                 "distribution_weight": 0.1, "feature_noise": 0.2, "distribution_sample": 1.0, "ttt_decay": 0.8},
+        "loss": {"terms": {"fkl": 1.0, "tvd": 0.5}, "temperature": 1.0, "jsd_beta": 0.5, **LOSS[kind]},
         "train": {"max_steps": 3, "save_every": 3, "num_gpus": 1, "micro_batch_size": 4,
                   "gradient_accumulation_steps": 1, "lr": 0.003, "min_lr_ratio": 0.1, "warmup_steps": 1,
                   "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 0.5, "zero_stage": 0, "precision": "fp32",

@@ -30,9 +30,9 @@ def test_keep_last_and_best_link(tmp_path, tiny_target_dir, checkpoints_root):
     assert stated == {"checkpoint": best.resolve().name, "metric": "heldout.fkl", "value": min(fkl.values()),
                       "rule": "lowest"}
     assert checkpoint.lower_is_better("tvd") and not checkpoint.lower_is_better("predicted_alpha")
-    from specdistill.train.export import pick_checkpoint
+    from specdistill.layout import select_checkpoint
 
-    assert pick_checkpoint(recipe.run_dir, "best") == best.resolve()
+    assert select_checkpoint(recipe.run_dir, "best") == best.resolve()
 
 
 def test_rerun_with_other_settings_stops_and_restart_starts_over(tmp_path, tiny_target_dir, checkpoints_root):

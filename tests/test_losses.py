@@ -107,7 +107,7 @@ def test_large_logits_stay_finite():
 def test_gradients_reach_only_the_draft(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
-    from specdistill.train.eagle import EagleHead
+    from specdistill.kinds.eagle.model import EagleHead
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval().requires_grad_(False)
     head = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())

@@ -6,7 +6,7 @@ import pytest
 
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import report
+from specdistill.eval import plots, report, scaling
 from specdistill.recipe import load_recipe
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -269,7 +269,7 @@ def test_alpha_plot_is_first_draft_alpha_against_first_draft_prediction(recipe, 
     e = eval_json(200, 0.55, 1.31)
     e["offline"]["prompts_sampled"] = {"predicted_alpha": 0.42, "temperature": 1.0}
     e["_run"], e["_file"] = "runA", "x.json"
-    report.plot_alpha_vs_predicted([e], False, tmp_path / "a.png", "footer")
+    plots.plot_alpha_vs_predicted([e], False, tmp_path / "a.png", "footer")
     # T=0: top-1 (held-out 0.57, prompts 0.55) vs alpha_at[0] = 0.60; T=1: predicted α (held-out 0.5, prompts on
     # sampled continuations 0.42) vs alpha_at[0] = 0.50 -- never the pooled α (0.55 / 0.45)
     got = sorted((round(x[0], 3), round(y[0], 3)) for x, y, _ in points)
@@ -279,17 +279,17 @@ def test_alpha_plot_is_first_draft_alpha_against_first_draft_prediction(recipe, 
 
 def test_export_readme_refuses_results_of_another_checkpoint_version(tmp_path):
     """The export README quotes measured τ/α (and takes the best K) only from an eval of these very weights."""
-    from specdistill.train.export import eval_summary
+    from specdistill.train.export import measured
 
     run_dir = write_run(tmp_path, "runA", [eval_json(200, 0.55, 1.31)])
-    data, text = eval_summary(run_dir, "step-0000200")
-    assert data is not None and "- T=0, K=4: tau 2.100" in text and "unverified" not in text
+    data, text = measured(run_dir, "step-0000200")
+    assert data is not None and "- step-0000200 T=0 K=4: tau 2.10" in text and "unverified" not in text
     (run_dir / "step-0000200" / "draft.safetensors").write_bytes(b"retrained")
-    data, text = eval_summary(run_dir, "step-0000200")
+    data, text = measured(run_dir, "step-0000200")
     assert data is None and "measured another version of this checkpoint" in text and "tau" not in text
     old = write_run(tmp_path, "runB", [eval_json(200, 0.55, 1.31)], fingerprint=False)
-    data, text = eval_summary(old, "step-0000200")
-    assert "⚠ unverified" in text and "- T=0, K=4: tau 2.100" in text
+    data, text = measured(old, "step-0000200")
+    assert "⚠ unverified" in text and "- step-0000200 T=0 K=4: tau 2.10" in text
 
 
 
@@ -299,25 +299,25 @@ CURVE = (2.5, 20.0, 0.3)  # τ(N) = 2.5 − 20·N^(−0.3): τ = 2.2 at N = (20 
 
 
 def curve(n):
-    return report.saturating(n, *CURVE)
+    return scaling.saturating(n, *CURVE)
 
 
 def test_fit_recovers_a_known_saturating_curve_and_refuses_too_few_points():
     tokens = [2e4, 4e4, 8e4, 1.6e5, 3.2e5]
-    fit = report.fit_saturating(tokens, [curve(n) for n in tokens])
+    fit = scaling.fit_saturating(tokens, [curve(n) for n in tokens])
     assert fit["ok"] and fit["points"] == 5 and not fit["exact"] and fit["n_max"] == 3.2e5
     assert fit["tau_inf"] == pytest.approx(2.5, rel=1e-4) and fit["b"] == pytest.approx(0.3, rel=1e-3)
     assert fit["c"] == pytest.approx(20.0, rel=1e-2) and fit["rmse"] < 1e-6
-    assert report.tokens_for_tau(fit, 2.2) == pytest.approx((20 / 0.3) ** (1 / 0.3), rel=1e-2)
-    assert report.tokens_for_tau(fit, 2.6) is None  # above τ∞: never reached
+    assert scaling.tokens_for_tau(fit, 2.2) == pytest.approx((20 / 0.3) ** (1 / 0.3), rel=1e-2)
+    assert scaling.tokens_for_tau(fit, 2.6) is None  # above τ∞: never reached
     # bounds hold even when the data would like τ∞ < 1 (falling τ): c ≥ 0 then makes the curve flat
-    falling = report.fit_saturating(tokens, [1.5, 1.4, 1.3, 1.2, 1.1])
+    falling = scaling.fit_saturating(tokens, [1.5, 1.4, 1.3, 1.2, 1.1])
     assert falling["ok"] and falling["tau_inf"] >= 1.0 and falling["c"] >= 0 and falling["b"] > 0
     # fewer than 3 distinct token counts: no fit, and it says why
     for few in (([1e4, 2e4], [1.2, 1.3]), ([1e4, 1e4, 2e4], [1.2, 1.25, 1.3]), ([], [])):
-        got = report.fit_saturating(*few)
+        got = scaling.fit_saturating(*few)
         assert not got["ok"] and "at least 3" in got["why"]
-    assert report.fit_saturating([1e4, 2e4, None, 4e4], [1.2, 1.3, 1.4, None])["ok"] is False
+    assert scaling.fit_saturating([1e4, 2e4, None, 4e4], [1.2, 1.3, 1.4, None])["ok"] is False
 
 
 def write_scaling_run(root, name, checkpoints: dict[int, dict]) -> "Path":
@@ -395,11 +395,11 @@ def test_tau_vs_tokens_plot_draws_the_extrapolation_dashed_to_10x(monkeypatch, t
                "measured": curve(n), "stale": False, "evaluated": True, "k": 2}
               for r in ("runA", "runB") for i, n in enumerate(ns)]
     points.append({**points[0], "tokens_seen": None, "measured": 9.0})  # no tokens_seen: not plotted
-    fits = report.scaling_fits(points)
+    fits = scaling.scaling_fits(points)
     assert [(f["run"], f["series"], f["ok"], f["exact"]) for f in fits] == [
         ("runA", "simulated", True, True), ("runA", "measured", True, True),
         ("runB", "simulated", True, True), ("runB", "measured", True, True)]
-    report.plot_tau_vs_tokens(points, fits, True, tmp_path / "t.png", "footer")
+    plots.plot_tau_vs_tokens(points, fits, True, tmp_path / "t.png", "footer")
     dashed = [(a, k) for a, k in lines if len(a) > 2 and a[2] == "--"]
     assert len(dashed) == 4 and all("extrapolation" in k["label"] for _, k in dashed)
     assert all(a[0][0] == pytest.approx(8e4) and a[0][-1] == pytest.approx(8e5) for a, _ in dashed)
@@ -440,9 +440,9 @@ def test_several_runs_each_get_their_points_and_fits(recipe):
 def test_stale_measured_tau_is_shown_but_not_fitted():
     pts = [{"run": "r", "checkpoint": f"s{i}", "step": i, "tokens_seen": n, "simulated": None, "measured": curve(n),
             "stale": i == 2, "evaluated": True, "k": 2} for i, n in enumerate([1e4, 2e4, 4e4])]
-    measured = next(f for f in report.scaling_fits(pts) if f["series"] == "measured")
+    measured = next(f for f in scaling.scaling_fits(pts) if f["series"] == "measured")
     assert not measured["ok"] and measured["points"] == 2
-    assert "⚠ STALE (not fitted)" in report.scaling_table(pts)
+    assert "⚠ STALE (not fitted)" in scaling.scaling_table(pts)
 
 
 # ------------------------------------------------------------------------- draft vocabulary coverage

@@ -143,7 +143,7 @@ def test_static_eagle3_head_computes_what_the_head_computes():
     drafted positions one at a time, each after a rollback of one drafted entry (fp32)."""
     from transformers import DynamicCache
 
-    from specdistill.eval.runtime import StaticEagle3Head
+    from specdistill.kinds.eagle3.drafter import StaticEagle3Head
 
     model = target()
     head = eagle3_for(model, list(range(0, V, 4)))

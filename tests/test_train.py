@@ -15,11 +15,11 @@ import yaml
 
 from specdistill import layout
 from specdistill.formats import read_draft_config, shard_name, write_manifest, write_shard
-from specdistill.kinds import draft_lm, eagle3, load_draft
-from specdistill.kinds import eagle as eagle_kind
+from specdistill.kinds import kind, load_draft
 from specdistill.metrics import simulated_tau
-from specdistill.recipe import LossConfig
 from specdistill.target import TargetParts, parts_of
+
+eagle_kind, eagle3, draft_lm = kind("eagle"), kind("eagle3"), kind("draft_lm")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpo
     from transformers import AutoModelForCausalLM
 
     from specdistill.train import launch
-    from specdistill.train.eagle import EagleHead
+    from specdistill.kinds.eagle.model import EagleHead
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "eagle-run", max_steps=4)
     write_cache(recipe.run_dir, tiny_target_dir)
@@ -300,7 +300,8 @@ def test_eagle3_offline_acceptance_per_depth_and_simulated_tau(tmp_path, tiny_ta
     from transformers import AutoModelForCausalLM
 
     from specdistill.data.cache_reader import CacheDataset, collate
-    from specdistill.train.eagle3 import Eagle3Head, ttt_forward
+    from specdistill.kinds.eagle3.model import Eagle3Head
+    from specdistill.kinds.eagle3.objective import ttt_forward
     from tests.test_eagle3 import add_aux_states
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "e3-metrics", kind="eagle3")
@@ -313,7 +314,7 @@ def test_eagle3_offline_acceptance_per_depth_and_simulated_tau(tmp_path, tiny_ta
     head.config.ttt_steps = 3
     head.bind_target(target.get_input_embeddings()).eval()
     items = list(CacheDataset(layout.cache_dir(recipe.run_dir), "heldout"))
-    m = eagle3.Objective(head, parts_of(target), LossConfig()).offline_metrics([collate(items)])
+    m = eagle3.Objective(head, parts_of(target), eagle3.Loss()).offline_metrics([collate(items)])
 
     acc, n = [0.0] * 3, [0] * 3
     with torch.no_grad():
@@ -345,8 +346,8 @@ def test_gemma2_final_logit_softcap_wherever_p_is_formed():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdistill.target import target_logits_from_hidden
-    from specdistill.train.eagle import EagleHead
-    from specdistill.train.eagle3 import Eagle3Head
+    from specdistill.kinds.eagle.model import EagleHead
+    from specdistill.kinds.eagle3.model import Eagle3Head
     from tests.conftest import tiny_config
 
     cfg = tiny_config("gemma2", vocab_size=256)
@@ -368,20 +369,20 @@ def test_gemma2_final_logit_softcap_wherever_p_is_formed():
              "hidden_aux": torch.stack([out.hidden_states[i] for i in (0, 1, 2)], dim=2)}
     with torch.no_grad():
         eagle = EagleHead(cfg).bind_target(model.get_input_embeddings(), lm_head).eval()
-        pred = eagle_kind.Objective(eagle, parts, LossConfig())(batch)
+        pred = eagle_kind.Objective(eagle, parts, eagle_kind.Loss())(batch)
         torch.testing.assert_close(pred["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
         assert pred["q_logits"].abs().max() <= 2.0 and eagle.logits(h[0]).abs().max() <= 2.0
         saved = json.loads(eagle.config.to_json_string())  # what draft_config.json keeps; load_draft rebuilds from it
         assert EagleHead(AutoConfig.for_model(saved.pop("model_type"), **saved)).config.final_logit_softcapping == 2.0
 
-        lm = draft_lm.Objective(model, parts, LossConfig())(batch)
+        lm = draft_lm.Objective(model, parts, draft_lm.Loss())(batch)
         torch.testing.assert_close(lm["p_logits"], want[:T - 1], atol=1e-4, rtol=1e-4)
 
         head = Eagle3Head(cfg, 256, [0, 1, 2])
         head.set_draft_vocab(torch.arange(256))
         head.config.ttt_steps = 2
         head.bind_target(model.get_input_embeddings()).eval()
-        e3 = eagle3.Objective(head, parts, LossConfig())(batch)
+        e3 = eagle3.Objective(head, parts, eagle3.Loss())(batch)
         torch.testing.assert_close(e3["steps"][0]["p_logits"], want[1:T - 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(e3["steps"][1]["p_logits"], want[2:T - 1], atol=1e-4, rtol=1e-4)
 
@@ -392,7 +393,7 @@ def test_eagle_offline_acceptance_per_depth_on_its_own_features(tmp_path, tiny_t
     from transformers import AutoModelForCausalLM
 
     from specdistill.data.cache_reader import CacheDataset, collate
-    from specdistill.train.eagle import EagleHead
+    from specdistill.kinds.eagle.model import EagleHead
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "e1-metrics")
     write_cache(recipe.run_dir, tiny_target_dir, n_train=2, n_heldout=3)
@@ -400,7 +401,7 @@ def test_eagle_offline_acceptance_per_depth_on_its_own_features(tmp_path, tiny_t
     torch.manual_seed(0)
     head = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings()).eval()
     items = list(CacheDataset(layout.cache_dir(recipe.run_dir), "heldout"))
-    m = eagle_kind.Objective(head, parts_of(target), LossConfig()).offline_metrics([collate(items)])
+    m = eagle_kind.Objective(head, parts_of(target), eagle_kind.Loss()).offline_metrics([collate(items)])
 
     hits, overlap, n = [0] * 3, [0.0] * 3, [0] * 3
     with torch.no_grad():

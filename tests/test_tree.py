@@ -11,7 +11,8 @@ from transformers import DynamicCache
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.tree import TreeDecoder, parse_tree
-from specdistill.train.eagle3 import Eagle3Head, ttt_forward
+from specdistill.kinds.eagle3.model import Eagle3Head
+from specdistill.kinds.eagle3.objective import ttt_forward
 from tests.helpers import decode_baseline
 from tests.test_engine import eagle3_for, eagle_for, llama
 

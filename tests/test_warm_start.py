@@ -45,7 +45,7 @@ def test_eagle_head_round_trips_through_export(tmp_path, smollm_tokenizer, model
 
 
 def make_eagle3_head(target, aux, vd=128, seed=0):
-    from specdistill.train.eagle3 import Eagle3Head, draft_vocab_from_counts
+    from specdistill.kinds.eagle3.model import Eagle3Head, draft_vocab_from_counts
 
     torch.manual_seed(seed)
     head = Eagle3Head(target.config, vd, aux)

@@ -1,53 +1,98 @@
-"""Draft kinds: one module each (`eagle.py`, `eagle3.py`, `draft_lm.py`) owning everything about it.
+"""Draft kinds: one package per kind (`eagle/`, `eagle3/`, `draft_lm/`), the same files in each, owning
+everything about it; what two kinds share is in `common/` (a kind never imports another kind).
 
-Every kind module defines the same names, and the rest of the code asks the kind, never compares its name:
+  config.py     (torch-free) NAME (the recipe's `draft.kind`), LABEL (in messages and reports),
+                Config (its `draft` section: a member of the union the recipe builds from KIND_NAMES),
+                Loss (its `loss` section: common/config.py LossConfig + the kind's own keys),
+                STORE (what the cache stage stores for it by default, `cache.store`),
+                EXPORT_FORMATS (the export formats it offers, the default first), VLLM_METHOD (format ->
+                vLLM's speculative-config "method"), DRAFTS_TREES (whether eval/tree.py can draft trees
+                with it), PROMPTS_FKL_NOTE (why fkl on the eval prompts is undefined, or None)
+  model.py      build(recipe, parts, data)   a fresh draft from the target's parts and the cached train split
+                shapes(recipe, target_config)   the same on the meta device
+                owns(module)   whether a loaded module is this kind's (the engine and the eval ask it)
+                draft_vocabulary(draft)   the target ids it can propose when fewer than the target's, else None
+  objective.py  Objective(head, parts, loss, data)   what DeepSpeed wraps: forward(batch, generator) ->
+                predictions; `loss(pred)` -> (loss, components); `offline_metrics(batches)`
+  drafter.py    drafter(draft, target_model, static)   what the decode loop calls to draft (eval/engine.py)
+                prompt_logits(draft, target_model, seq)   teacher-forced (p, q) logits over the target's vocabulary
+  formats.py    checkpoint_config(draft) / own_state_dict(draft) / load(config, state, target_model)
+                the checkpoint; export(fmt, step_dir, draft_cfg, recipe, target_config, out, k) writes an
+                export format into the directory `out` (train/export.py adds the README and the serve command)
 
-  NAME            the recipe's `draft.kind`
-  Config          its recipe section (a member of the discriminated union `draft` in specdistill/recipe.py)
-  STORE           what the cache stage stores for it by default (`cache.store`)
-  EXPORT_FORMATS  the export formats it offers, the default first (train/export.py writes them)
-  DRAFTS_TREES    whether eval/tree.py can draft trees with it
-  build(recipe, parts, data)       a fresh head/model from the target's parts and the cached train split
-  Objective(head, parts, loss)     the training objective DeepSpeed wraps: forward(batch, generator) ->
-                                   predictions; `loss(pred)` -> (loss, components); `offline_metrics(batches)`
-  checkpoint_config(head) / own_state_dict(head) / load(config, state, target_model)   the checkpoint
-  draft_vocabulary(head)   the target ids it can propose when fewer than the target's (EAGLE-3), else None
-  owns(module)    whether a loaded module is this kind's (the engine and the eval ask it)
-  drafter(head, target_model, static)   what the decode loop calls to draft (eval/engine.py)
-  prompt_logits(head, target_model, seq)   teacher-forced draft logits over the target's vocabulary
+`kind(name)` is a `Kind`: these names, each from the file that defines it, a file imported when one of its
+names is first asked for, so the recipe, `specdistill config` and `specdistill report` (config.py's names
+only) never import torch.
 
-Adding a kind: its module here, its Config in the union of specdistill/recipe.py, a recipe.
+Adding a kind: its package here, and its name in KIND_NAMES below (docs/DESIGN.md "Adding a kind").
 """
 from __future__ import annotations
 
+import importlib
+import types
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_checkpoint
-from specdistill.kinds import draft_lm, eagle, eagle3
 
-KINDS = {k.NAME: k for k in (eagle, eagle3, draft_lm)}  # draft_lm last: it owns any causal LM
-
-
-def kind(name: str):
-    """The kind module of a `draft.kind` name (as written in a recipe or a checkpoint)."""
-    if name not in KINDS:
-        raise SpecdistillError(f"draft.kind {name!r} is not implemented; implemented: {', '.join(KINDS)}")
-    return KINDS[name]
+# The registry: every kind, by package name. draft_lm last: it owns any causal LM (`kind_of` asks in order).
+KIND_NAMES = ("eagle", "eagle3", "draft_lm")
 
 
-def kind_of(module):
-    """The kind module of a loaded draft: an EAGLE head of either kind, else a causal LM."""
-    return next(k for k in KINDS.values() if k.owns(module))
+FILES = ("config", "model", "objective", "drafter", "formats")  # the files of every kind package
 
 
-def kind_of_format(fmt: str):
+class Kind:
+    """A draft kind: the names its package's files define (FILES, in that order), each file imported when
+    one of its names is first asked for."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        for file in FILES:
+            names = vars(importlib.import_module(f"{__name__}.{self.package}.{file}"))
+            if name in names and not isinstance(names[name], types.ModuleType):
+                return names[name]
+        raise AttributeError(f"draft kind {self.package!r} has no {name!r} (looked in {', '.join(FILES)})")
+
+    def __repr__(self) -> str:
+        return f"<draft kind {self.package}>"
+
+
+_KINDS = {name: Kind(name) for name in KIND_NAMES}
+
+
+def kind(name: str) -> Kind:
+    """The kind of a `draft.kind` name (as written in a recipe or a checkpoint)."""
+    if name not in _KINDS:
+        raise SpecdistillError(f"draft.kind {name!r} is not implemented; implemented: {', '.join(KIND_NAMES)}")
+    return _KINDS[name]
+
+
+def all_kinds() -> list[Kind]:
+    """Every kind, in registry order."""
+    return list(_KINDS.values())
+
+
+def kind_of(module) -> Kind:
+    """The kind of a loaded draft: an EAGLE head of either kind, else a causal LM."""
+    return next(k for k in all_kinds() if k.owns(module))
+
+
+def export_formats() -> list[str]:
+    """Every export format of every kind."""
+    return [fmt for k in all_kinds() for fmt in k.EXPORT_FORMATS]
+
+
+def kind_of_format(fmt: str) -> Kind:
     """The kind that exports `fmt`."""
-    for k in KINDS.values():
+    for k in all_kinds():
         if fmt in k.EXPORT_FORMATS:
             return k
-    known = [f for k in KINDS.values() for f in k.EXPORT_FORMATS]
-    raise SpecdistillError(f"--format {fmt!r}: expected one of {', '.join(known)}")
+    raise SpecdistillError(f"--format {fmt!r}: expected one of {', '.join(export_formats())}")
 
 
 def load_draft(step_dir: Path, target_model):

@@ -5,8 +5,8 @@
     logits[t] = lm_head( norm(h[t]) )                               over the draft vocabulary (Vd)
 
 Drafting one more token feeds the layer its own output h (not passed through fc again), so the head
-can run several steps ahead; training unrolls it the same way ("training-time test", `ttt_forward`).
-The decoder layer is a Llama layer for any target (train/eagle.py `llama_layer_config`).
+can run several steps ahead; training unrolls it the same way ("training-time test", objective.py `ttt_forward`).
+The decoder layer is a Llama layer for any target (kinds/common/llama_layer.py `llama_layer_config`).
 The draft vocabulary is the Vd most frequent trained tokens of the corpus; `d2t[i]` is the offset
 from draft id i to its target id (target = i + d2t[i]), `t2d[v]` says whether target id v is in it —
 the conventions of EAGLE-3's research code, SpecForge and vLLM. Weight names match vLLM:
@@ -14,31 +14,18 @@ the conventions of EAGLE-3's research code, SpecForge and vLLM. Weight names mat
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoModel, DynamicCache
+from transformers import AutoModel
 
-from specdistill import layout
+from specdistill import formats, layout
 from specdistill.errors import SpecdistillError
-from specdistill.train.eagle import llama_layer_config, require_same_names
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default ids (2, N//2, N-3): hidden_states indices, i.e. the input of that layer (clamped to
-    0..N for targets of fewer than 3 layers)."""
-    return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
-
-
-def resolve_aux_layers(recipe, num_layers: int) -> list[int]:
-    """The target layers an EAGLE-3 head reads: cache.aux_layers, else the default. The one place that
-    decides it, for the cache stage and the head alike."""
-    layers = recipe.cache.aux_layers if recipe.cache.aux_layers is not None else default_aux_layers(num_layers)
-    bad = [i for i in layers if not 0 <= i <= num_layers]
-    if bad:
-        raise SpecdistillError(f"recipe {recipe.source}: cache.aux_layers {bad} out of range: hidden_states "
-                               f"indices run 0..{num_layers} for a target with {num_layers} layers")
-    return list(layers)
+from specdistill.kinds.common.llama_layer import init_layer_from_target, llama_layer_config, require_same_names
+from specdistill.kinds.common.released import check_fits, load_state, read_released
+from specdistill.kinds.eagle3.config import DEFAULT_DRAFT_VOCAB
+from specdistill.target import read_target_tensors, resolve_aux_layers
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -51,10 +38,9 @@ def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torc
 def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
     """How often each token is a trained (loss-masked) token in the cached train split."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    shards = sorted((layout.cache_dir(run_dir) / "train").glob("shard-*.safetensors"))
-    for shard in shards:
-        with safe_open(str(shard), "pt") as f:
-            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+    for shard in formats.shard_paths(layout.cache_dir(run_dir), "train"):
+        tensors = formats.read_shard(shard, keys=("input_ids", "loss_mask"))
+        ids, mask = tensors["input_ids"].long(), tensors["loss_mask"].bool()
         counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return counts
 
@@ -148,7 +134,7 @@ class Eagle3Head(nn.Module):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
 
         attention_mask: bool [B, 1, T, S] over all keys (cached + new), True = attend; None = causal
-        over the new positions after everything cached. Training unrolls this forward (`ttt_forward`).
+        over the new positions after everything cached. Training unrolls this forward (objective.py `ttt_forward`).
         """
         with torch.no_grad():
             emb = self.embed_tokens(input_ids).to(state.dtype)
@@ -183,41 +169,97 @@ def causal_after_cache(new: int, cache, device) -> torch.Tensor:
     return (k <= q)[None, None]
 
 
-def ttt_mask(length: int, step: int, key_padding: torch.Tensor) -> torch.Tensor:
-    """Attention of unroll step `step` over the keys of steps 0..step, as the head sees them when drafting.
+# ---- build ------------------------------------------------------------------------------------------
 
-    Query t at step s stands for the token drafted s positions after t. When drafting, the head's cache
-    holds real-feature entries for positions <= t (step 0, causal) and its own entries for depths 1..s of
-    the same chain (steps 1..s, position t only: the diagonal).
-    """
-    t = torch.arange(length, device=key_padding.device)
-    blocks = [t[None, :] <= t[:, None]] + [torch.eye(length, dtype=torch.bool, device=key_padding.device)] * step
-    mask = torch.cat(blocks, dim=1)[None, None]  # [1, 1, T, (s+1)T]
-    keys_ok = key_padding.bool().repeat(1, step + 1)[:, None, None, :]
-    return mask & keys_ok
+def _draft_vocab(recipe, target_config) -> int:
+    return min(recipe.draft.draft_vocab_size or DEFAULT_DRAFT_VOCAB, target_config.vocab_size)
 
 
-def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps: int, noise: float = 0.0,
-                generator=None, keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Unroll the head `steps` times over a batch (training-time test).
+def shapes(recipe, target_config) -> Eagle3Head:
+    """The head's shapes only, on the meta device (dry runs, memory estimates)."""
+    aux = resolve_aux_layers(recipe, target_config.num_hidden_layers)
+    with torch.device("meta"):
+        return Eagle3Head(target_config, _draft_vocab(recipe, target_config), aux)
 
-    Step s at position t reads token x[t+1+s] and predicts token x[t+2+s]; returns the draft-vocab logits
-    of each step, [B, T, Vd]; positions whose inputs fall past the sequence are the caller's to mask.
-    keep: one bool [B, T] per step; only those positions get logits, [n_s, Vd] (the LM head is about
-    half a step's cost, and prompt tokens are not trained).
-    """
-    B, T = input_ids.shape
-    cache = DynamicCache(config=head.config)
-    state = head.project(aux_features)
-    if noise > 0:  # EAGLE's feature noise, on the fused state
-        u = torch.rand(state.shape, generator=generator, dtype=torch.float32).to(state.device, state.dtype)
-        state = state + (2 * u - 1) * noise * state.detach().std()
-    outs = []
-    base = torch.arange(T, device=input_ids.device).expand(B, -1)
-    for s in range(steps):
-        ids = torch.zeros_like(input_ids)
-        ids[:, :T - 1 - s] = input_ids[:, 1 + s:]
-        mask = ttt_mask(T, s, attention_mask)
-        state = head(ids, state, base + s, past_key_values=cache, attention_mask=mask)
-        outs.append(head.logits(state if keep is None else state[keep[s]]))
-    return outs
+
+def aux_feature_std(data) -> torch.Tensor:
+    """Per-dimension std of the cached aux features of the first 8 sequences [A*H] (deterministic)."""
+    return torch.cat([data[i]["hidden_aux"].float().flatten(1) for i in range(min(8, len(data)))]).std(0)
+
+
+def build(recipe, parts, data=None) -> Eagle3Head:
+    """A fresh head (or a warm start from draft.init_from) bound to the target's frozen embedding: its
+    draft vocabulary from the cached train split, its readout the target's own, its input scaling
+    measured on `data` (the same on every rank and every resume)."""
+    config, cfg = parts.config, recipe.draft
+    aux = resolve_aux_layers(recipe, config.num_hidden_layers)
+    if cfg.init_from:
+        vd, released_aux = released_shape(cfg.init_from, config)
+        if released_aux is not None and list(released_aux) != list(aux):
+            raise SpecdistillError(f"draft.init_from {cfg.init_from}: the head reads target layers "
+                                   f"{released_aux}, the cache holds {aux}; set cache.aux_layers: {released_aux}")
+        head = Eagle3Head(config, vd, aux)
+        head.config.ttt_steps = cfg.ttt_steps
+        warm_start(cfg.init_from, head, config)
+    else:
+        head = Eagle3Head(config, _draft_vocab(recipe, config), aux)
+        head.config.ttt_steps = cfg.ttt_steps
+        if cfg.init_layer_from_target and parts.where is not None:
+            init_layer_from_target(head.layers[0], parts.where, config)
+        counts = trained_token_counts(recipe.run_dir, config.vocab_size)
+        head.set_draft_vocab(draft_vocab_from_counts(counts, head.lm_head.weight.shape[0]))
+        if parts.lm_head is not None:
+            norm = read_target_tensors(parts.where, ["model.norm.weight"]).get("model.norm.weight")
+            head.init_readout(parts.lm_head.weight, norm)
+    if data is not None:
+        head.set_aux_scale(aux_feature_std(data))
+    return head.bind_target(parts.embed)
+
+
+def owns(module) -> bool:
+    return isinstance(module, Eagle3Head)
+
+
+def draft_vocabulary(head) -> torch.Tensor | None:
+    """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
+    return head.draft_ids
+
+
+# ---- warm start: a released head (vllm-eagle3 or speculators) read back -----------------------------
+
+def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """d2t[i] = target id of draft token i minus i; the target ids must be sorted, distinct, in [0, V)."""
+    ids = torch.arange(len(d2t)) + d2t.long()
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab or not bool((ids[1:] > ids[:-1]).all())):
+        raise SpecdistillError(f"{path}: d2t does not map draft ids to sorted, distinct target ids in [0, {vocab})")
+    return ids
+
+def released_shape(path, target_config) -> tuple[int, list[int] | None]:
+    """(draft vocabulary size, aux layer ids or None) of a released EAGLE-3 head, to build a head of its shape."""
+    config, state = read_released(path)
+    check_fits(path, config, target_config, "EAGLE-3 head")
+    if config.get("norm_before_residual"):
+        raise SpecdistillError(f"draft.init_from {path}: norm_before_residual is true; the heads trained here "
+                               f"add the un-normed state as the residual (norm_before_residual: false)")
+    vd = config.get("draft_vocab_size") or (state["lm_head.weight"].shape[0] if "lm_head.weight" in state else None)
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    return int(vd or target_config.vocab_size), (list(aux) if aux else None)
+
+
+def warm_start(path, head: Eagle3Head, target_config) -> None:
+    """Continue training a released EAGLE-3 head (`draft.init_from`); its fc keeps reading raw aux states."""
+    config, state = read_released(path)
+    vocab = target_config.vocab_size
+    vd = head.lm_head.weight.shape[0]
+    d2t = state.pop("d2t", None)
+    state.pop("t2d", None)
+    if d2t is None:
+        if vd != vocab:
+            raise SpecdistillError(f"draft.init_from {path}: no d2t but a draft vocabulary of {vd} < {vocab}")
+        d2t = torch.zeros(vd, dtype=torch.long)
+    ids = check_d2t(Path(path), d2t.long(), vocab)
+    state.pop("aux_scale", None)
+    load_state(path, head, {**state, "d2t": d2t.long(), "t2d": head.t2d, "aux_scale": head.aux_scale}, "EAGLE-3 head")
+    head.set_draft_vocab(ids)
+    head.keep_fc_function = True  # fc reads raw aux states: set_aux_scale must not change what it computes

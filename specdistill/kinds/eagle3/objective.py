@@ -1,115 +1,47 @@
-"""`draft.kind: eagle3` — an EAGLE-3 head (train/eagle3.py `Eagle3Head`), everything about it in one place.
-
-  cache      hidden_aux (the input of the target layers `resolve_aux_layers` picks) and hidden_last
-  objective  training-time test: the head unrolled `ttt_steps` times on its own states (train/eagle3.py
-             `ttt_forward`), step s weighted ttt_decay**s; q against the target's p restricted to the
-             draft vocabulary (the Vd most frequent trained tokens)
-  metrics    the first drafted token against the target's FULL distribution, acceptance per unrolled depth
-  drafter    fused aux states in, draft-vocabulary tokens out (mapped to target ids)
-  export     vllm-eagle3 (vLLM's Eagle3LlamaForCausalLM), speculators
+"""EAGLE-3's training objective: training-time test, the head unrolled `ttt_steps` times on its own states
+(`ttt_forward`, as SpecForge's `OnlineEagle3Model`), step s weighted ttt_decay**s; q against the target's p
+restricted to the draft vocabulary. Offline metrics: the first drafted token against the target's FULL
+distribution, and acceptance per unrolled depth.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
-from transformers import AutoConfig
+from transformers import DynamicCache
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.runtime import StaticEagle3Head
-from specdistill.eval.sampling import probs_from_logits, sample
-from specdistill.kinds import eagle
-from specdistill.kinds.eagle import EagleDrafter, checkpoint_config, own_state_dict  # noqa: F401  (stored alike)
+from specdistill.kinds.common.heads import ttt_mask
+from specdistill.kinds.eagle3.model import Eagle3Head
 from specdistill.metrics import divergences, simulated_tau
-from specdistill.target import read_target_tensors, target_logits_from_hidden, vocab_size_of
+from specdistill.target import target_logits_from_hidden
 from specdistill.train import losses, objective
-from specdistill.train.eagle import init_layer_from_target
-from specdistill.train.eagle3 import (Eagle3Head, draft_vocab_from_counts, resolve_aux_layers, trained_token_counts,
-                                      ttt_forward)
 from specdistill.train.objective import counted
-from specdistill.train.warm_start import released_eagle3_shape, warm_eagle3
-
-NAME = "eagle3"
-LABEL = "EAGLE-3"  # in messages and reports
-STORE = ["hidden_aux", "hidden_last"]
-EXPORT_FORMATS = ("vllm-eagle3", "speculators")
-DRAFTS_TREES = True
-PROMPTS_FKL_NOTE = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
-DEFAULT_DRAFT_VOCAB = 32000
 
 
-class Config(eagle.Config):
-    """EAGLE-1's keys (a released head to continue from, the layer's start) and the EAGLE-3 ones."""
-    kind: Literal["eagle3"]
-    draft_vocab_size: int | None = Field(None, ge=16, description=f"default {DEFAULT_DRAFT_VOCAB} (at most the target's)")
-    ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
+def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps: int, noise: float = 0.0,
+                generator=None, keep: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Unroll the head `steps` times over a batch (training-time test).
 
+    Step s at position t reads token x[t+1+s] and predicts token x[t+2+s]; returns the draft-vocab logits
+    of each step, [B, T, Vd]; positions whose inputs fall past the sequence are the caller's to mask.
+    keep: one bool [B, T] per step; only those positions get logits, [n_s, Vd] (the LM head is about
+    half a step's cost, and prompt tokens are not trained).
+    """
+    B, T = input_ids.shape
+    cache = DynamicCache(config=head.config)
+    state = head.project(aux_features)
+    if noise > 0:  # EAGLE's feature noise, on the fused state
+        u = torch.rand(state.shape, generator=generator, dtype=torch.float32).to(state.device, state.dtype)
+        state = state + (2 * u - 1) * noise * state.detach().std()
+    outs = []
+    base = torch.arange(T, device=input_ids.device).expand(B, -1)
+    for s in range(steps):
+        ids = torch.zeros_like(input_ids)
+        ids[:, :T - 1 - s] = input_ids[:, 1 + s:]
+        mask = ttt_mask(T, s, attention_mask)
+        state = head(ids, state, base + s, past_key_values=cache, attention_mask=mask)
+        outs.append(head.logits(state if keep is None else state[keep[s]]))
+    return outs
 
-# ---- build, checkpoint ------------------------------------------------------------------------------
-
-def _draft_vocab(recipe, target_config) -> int:
-    return min(recipe.draft.draft_vocab_size or DEFAULT_DRAFT_VOCAB, target_config.vocab_size)
-
-
-def shapes(recipe, target_config) -> Eagle3Head:
-    """The head's shapes only, on the meta device (dry runs, memory estimates)."""
-    aux = resolve_aux_layers(recipe, target_config.num_hidden_layers)
-    with torch.device("meta"):
-        return Eagle3Head(target_config, _draft_vocab(recipe, target_config), aux)
-
-
-def aux_feature_std(data) -> torch.Tensor:
-    """Per-dimension std of the cached aux features of the first 8 sequences [A*H] (deterministic)."""
-    return torch.cat([data[i]["hidden_aux"].float().flatten(1) for i in range(min(8, len(data)))]).std(0)
-
-
-def build(recipe, parts, data=None) -> Eagle3Head:
-    """A fresh head (or a warm start from draft.init_from) bound to the target's frozen embedding: its
-    draft vocabulary from the cached train split, its readout the target's own, its input scaling
-    measured on `data` (the same on every rank and every resume)."""
-    config, cfg = parts.config, recipe.draft
-    aux = resolve_aux_layers(recipe, config.num_hidden_layers)
-    if cfg.init_from:
-        vd, released_aux = released_eagle3_shape(cfg.init_from, config)
-        if released_aux is not None and list(released_aux) != list(aux):
-            raise SpecdistillError(f"draft.init_from {cfg.init_from}: the head reads target layers "
-                                   f"{released_aux}, the cache holds {aux}; set cache.aux_layers: {released_aux}")
-        head = Eagle3Head(config, vd, aux)
-        head.config.ttt_steps = cfg.ttt_steps
-        warm_eagle3(cfg.init_from, head, config)
-    else:
-        head = Eagle3Head(config, _draft_vocab(recipe, config), aux)
-        head.config.ttt_steps = cfg.ttt_steps
-        if cfg.init_layer_from_target and parts.where is not None:
-            init_layer_from_target(head.layers[0], parts.where, config)
-        counts = trained_token_counts(recipe.run_dir, config.vocab_size)
-        head.set_draft_vocab(draft_vocab_from_counts(counts, head.lm_head.weight.shape[0]))
-        if parts.lm_head is not None:
-            norm = read_target_tensors(parts.where, ["model.norm.weight"]).get("model.norm.weight")
-            head.init_readout(parts.lm_head.weight, norm)
-    if data is not None:
-        head.set_aux_scale(aux_feature_std(data))
-    return head.bind_target(parts.embed)
-
-
-def owns(module) -> bool:
-    return isinstance(module, Eagle3Head)
-
-
-def load(config: dict, state: dict[str, torch.Tensor], target_model) -> Eagle3Head:
-    cfg = dict(config)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    head = Eagle3Head(config, config.draft_vocab_size, config.eagle_aux_hidden_state_layer_ids)
-    head.load_own_state_dict(state)
-    return head.bind_target(target_model.get_input_embeddings())
-
-
-def draft_vocabulary(head) -> torch.Tensor | None:
-    """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
-    return head.draft_ids
-
-# ---- training objective -----------------------------------------------------------------------------
 
 class Objective(objective.Objective):
     def step_positions(self, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -251,66 +183,3 @@ class Objective(objective.Objective):
         out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance at depth i over the {len(step_n)} unrolled "
                                      "depths (T=0: top1_at, T=1: alpha_at); held-out, teacher-forced tokens")
         return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}
-
-
-# ---- decoding -----------------------------------------------------------------------------------------
-
-class Eagle3Drafter(EagleDrafter):
-    """EAGLE-3 head: reads the target's aux-layer states (fused by its fc), drafts over a reduced
-    vocabulary mapped back to target ids; its own output state feeds the next drafted position.
-    Same cache discipline as EagleDrafter. At T>0, q is the draft-vocabulary distribution placed on
-    the target ids (zero elsewhere), which keeps the accept/residual rule exact."""
-    additive_tree_mask = False  # the head's attention takes the boolean mask itself
-
-    def __init__(self, head, static: bool = False):
-        super().__init__(head)
-        self.draft_ids = head.draft_ids
-        self.vocab = head.config.vocab_size
-        self.static = StaticEagle3Head(head) if static else None  # the static runtime's lean drafting forward
-
-    def reset(self, capacity: int = 0) -> None:
-        if self.static is None:
-            return super().reset(capacity)
-        self.static.reset(capacity)
-
-    def run(self, ids, state, start):
-        if self.static is None:
-            return super().run(ids, state, start)
-        return self.static.forward(ids, state, start)  # slots past `start` are masked: no crop needed
-
-    def features(self, hidden_states):
-        return self.head.target_features(hidden_states, self.head.aux_layers)
-
-    def project(self, features):
-        return self.head.project(features)
-
-    def to_target(self, ids):
-        return self.draft_ids[ids]
-
-    def pick(self, h, temperature, generator):
-        logits = self.head.logits(h)
-        if temperature == 0:
-            return self.to_target(logits.argmax(-1)), None
-        qd = probs_from_logits(logits, temperature)
-        q = torch.zeros(self.vocab, dtype=qd.dtype).index_copy_(0, self.draft_ids, qd)
-        return self.to_target(sample(qd, generator)), q
-
-
-def drafter(head: Eagle3Head, target_model=None, static: bool = False) -> Eagle3Drafter:
-    """static: the target runs in the static runtime, and the head drafts over a slot cache too."""
-    if target_model is not None and head.config.vocab_size != vocab_size_of(target_model):
-        raise SpecdistillError(f"draft: EAGLE-3 head built for vocabulary size {head.config.vocab_size}, "
-                               f"the target's is {vocab_size_of(target_model)}")
-    return Eagle3Drafter(head, static)
-
-
-def prompt_logits(head: Eagle3Head, target_model, seq: torch.Tensor):
-    """(p, q) logits [T, V] over `seq`, teacher-forced (head row t predicts target row t+1; row 0 has none);
-    q is -inf outside the draft vocabulary."""
-    out = target_model(seq, output_hidden_states=True)
-    p_logits = out.logits[0]
-    t = seq.shape[1]
-    state = head.project(head.target_features(out.hidden_states, head.aux_layers)[:, :-1])
-    qd = head.logits(head(seq[:, 1:], state, torch.arange(t - 1)[None])[0])
-    q = torch.full((t - 1, p_logits.shape[-1]), float("-inf"), dtype=qd.dtype).index_copy_(1, head.draft_ids, qd)
-    return p_logits, torch.cat([torch.zeros_like(p_logits[:1]), q.to(p_logits.dtype)])

