@@ -26,10 +26,10 @@ from specdistill import kinds
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
+from specdistill.formats import read_json, read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
-                                load_tokenizer, resolve_aux_layers, resolve_target)
+                                load_tokenizer, resolve_aux_layers, resolve_target, target_logits_from_hidden)
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
@@ -89,17 +89,12 @@ def plan_batches(indices, lengths: list[int], batch_tokens: int) -> list[list[in
 
 # ---------------------------------------------------------------------------------------- compute
 
-def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
 def topk_of(model, hidden: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Top-k log-probs at T=1 (descending), their ids and the probability mass left outside them."""
     values, ids = [], []
     for a in range(0, hidden.shape[0], LOGIT_CHUNK):
-        logprobs = torch.log_softmax(lm_head_logits(model, hidden[a:a + LOGIT_CHUNK]), dim=-1)
+        logits = target_logits_from_hidden(model.config, model.get_output_embeddings(), hidden[a:a + LOGIT_CHUNK])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # capped in the model's dtype, as its own forward does
         v, i = logprobs.topk(k, dim=-1)
         values.append(v)
         ids.append(i)
@@ -238,8 +233,8 @@ def remembered_tokenizer_fingerprint(recipe, compute) -> str:
     key = h.hexdigest()
     memo_file = shared_cache_root(recipe) / "tokenizer-fingerprints.json"
     try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, json.JSONDecodeError):
+        memo = read_json(memo_file)
+    except SpecdistillError:  # none yet, or damaged: computed again
         memo = {}
     if key not in memo:
         memo[key] = compute()

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows, split_stats, write_prepared
 from specdistill.data.tokenize import has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
+from specdistill.formats import append_jsonl, read_corpus_summary, read_jsonl, write_json_atomic
 from specdistill.target import cut_at_eos, eos_token_ids, fingerprint_target, fingerprint_tokenizer, load_tokenizer
 
 
@@ -48,14 +49,8 @@ def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
     device = next(model.parameters()).device
     eos = eos if eos is not None else eos_token_ids(model)
     replies: dict[int, list[int]] = {}
-    if partial is not None and partial.exists():
-        for line in partial.read_text().splitlines():
-            if line.strip():  # a line cut by a kill is incomplete JSON: that batch is simply redone
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                replies[rec["i"]] = rec["ids"]
+    if partial is not None:  # a line cut by a kill is left out: that batch is simply redone
+        replies.update({rec["i"]: rec["ids"] for rec in read_jsonl(partial)})
     todo = sorted((i for i in range(len(prompts)) if i not in replies), key=lambda i: len(prompts[i]))
     sampling = cfg.regenerate_temperature > 0
     options = dict(do_sample=True, temperature=cfg.regenerate_temperature, top_k=0, top_p=1.0) if sampling \
@@ -75,8 +70,7 @@ def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
         done = {i: cut_at_eos(out[r, longest:].tolist(), eos)[0] for r, i in enumerate(idx)}
         replies.update(done)
         if partial is not None:
-            with open(partial, "a") as fh:
-                fh.write("".join(json.dumps({"i": i, "ids": v}) + "\n" for i, v in done.items()))
+            append_jsonl(partial, [{"i": i, "ids": v} for i, v in done.items()])
     return [replies[i] for i in range(len(prompts))]
 
 
@@ -159,13 +153,13 @@ def regenerated_corpus(recipe, source: Path, root: Path, model, tokenizer=None) 
     dd, summary = select_rows(recipe, *load_prepared(source), source)  # corpus.max_rows: only the rows cached
     inputs = regeneration_inputs(recipe, summary)
     out_dir = regenerated_dir(root, inputs)
-    done = out_dir / "summary.json"
-    if done.exists() and json.loads(done.read_text()).get("regenerated_from") == inputs:
+    done = read_corpus_summary(out_dir)
+    if done is not None and done.get("regenerated_from") == inputs:
         print(f"reusing regenerated corpus {out_dir}")
         return out_dir
     partial = out_dir.with_name(out_dir.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    (partial / "inputs.json").write_text(json.dumps(inputs, indent=1))
+    write_json_atomic(partial / "inputs.json", inputs)
     t0 = time.time()
     skipped = Counter()
     splits = {name: regenerate_split(model, tokenizer, dd[name], recipe, skipped, name, partial / f"{name}.jsonl")

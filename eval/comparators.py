@@ -2,7 +2,7 @@
 
 hf_generate       model.generate(), greedy: transformers' own plain decoding
 hf_prompt_lookup  prompt-lookup decoding (n-gram drafts copied from the prompt)
-hf_assisted       assisted generation with our draft_lm as `assistant_model` (draft_lm drafts only)
+hf_assisted       assisted generation with our draft as `assistant_model` (drafts that are causal LMs only)
 """
 from __future__ import annotations
 

@@ -60,14 +60,14 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         per = metrics.divergences(log_p, log_q, ("fkl", "tvd"))
         sums["fkl"] += per["fkl"].sum().item()
         sums["tvd"] += per["tvd"].sum().item()
-        sums["top1"] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        sums["top1"] += metrics.top1_match(log_p, log_q).sum().item()
         if reduced is not None:  # the target's probability mass inside the draft vocabulary (held-out's definition)
             sums["vocab_coverage"] += log_p.exp()[:, reduced.to(log_p.device)].sum(-1).sum().item()
         positions += log_p.shape[0]
     if positions == 0:
         return {"positions": 0}
     out = {k: v / positions for k, v in sums.items()}
-    out["predicted_alpha"] = 1.0 - out["tvd"]
+    out["predicted_alpha"] = metrics.predicted_alpha(out["tvd"])
     out["distribution"] = "full vocabulary"
     if draft_kind.PROMPTS_FKL_NOTE:  # q is zero outside a reduced draft vocabulary: KL(p||q) is infinite there
         out["fkl"] = None

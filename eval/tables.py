@@ -1,6 +1,7 @@
 """The report's markdown tables (and the number and name formatting the figures share)."""
 from __future__ import annotations
 
+from specdistill import kinds
 from specdistill.eval.results import column_label, heldout_simulated_tau, offline, result_at, temperatures
 from specdistill.metrics import OFFLINE_KEYS, leviathan_tau
 
@@ -159,7 +160,8 @@ def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
                      num(t["speedup"], 2), num(t["ms_per_verify"], 1), num(t["nodes_per_step"], 1),
                      num(t["lossless"])])
     if not rows:
-        return "No tree drafting in these runs (set `eval.tree` in the recipe for `eagle`/`eagle3` heads)."
+        trees = "/".join(f"`{k.NAME}`" for k in kinds.all_kinds() if k.DRAFTS_TREES)
+        return f"No tree drafting in these runs (set `eval.tree` in the recipe for {trees} drafts)."
     return table(header, rows)
 
 

@@ -1,4 +1,4 @@
-"""Tree drafting for EAGLE heads (EAGLE-1 `eagle`, EAGLE-3 `eagle3`): greedy verification of a whole
+"""Tree drafting for heads whose kind drafts trees (`DRAFTS_TREES`: the EAGLE heads): greedy verification of a whole
 tree of candidates in ONE target forward (EAGLE / EAGLE-2, Medusa-style tree attention).
 
 Same conventions as eval/engine.py: `seq[0..n-1]` are committed, the target's cache holds seq[0..n-2],
@@ -275,8 +275,9 @@ class TreeDecoder:
         """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype);
         tree: the recipe's `eval.tree`."""
         if not kinds.kind_of(head).DRAFTS_TREES:
-            raise SpecdistillError(f"tree decoding needs an EAGLE head (kind 'eagle' or 'eagle3'), got "
-                                   f"{type(head).__name__}")
+            trees = [k.NAME for k in kinds.all_kinds() if k.DRAFTS_TREES]
+            raise SpecdistillError(f"tree decoding needs a draft of a kind that drafts trees ({', '.join(trees)}), "
+                                   f"got {type(head).__name__}")
         self.shape = parse_tree(tree)
         draft_vocab = head.lm_head.weight.shape[0]
         widest = max((p[-1] + 1 for p in self.shape.paths), default=self.shape.top_k)

@@ -12,7 +12,9 @@ import importlib
 import os
 import sys
 
+from specdistill import kinds
 from specdistill.errors import SpecdistillError
+from specdistill.recipe import load_recipe
 
 # stage -> (module, one-line help, extra arguments)
 STAGES = {
@@ -25,7 +27,7 @@ STAGES = {
                [("--runs", dict(nargs="+", default=None, help="compare several run names"))]),
     "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
                [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
-                ("--format", dict(default=None, help="vllm-eagle, vllm-eagle3, speculators or hf (default: the recipe's)"))]),
+                ("--format", dict(default=None, help=f"{', '.join(kinds.export_formats())} (default: the recipe's)"))]),
     "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
 }
 # Stages that accept --restart (start the run over instead of refusing changed settings).
@@ -79,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage is None:
         build_parser().print_help()
         return 2
-    from specdistill.recipe import load_recipe  # deferred: it imports torch; `--help` should answer at once
-
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         module = importlib.import_module(STAGES[args.stage][0])

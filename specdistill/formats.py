@@ -6,6 +6,8 @@ fixtures alike, so that nothing re-encodes a format by hand. Paths come from spe
   checkpoint       step-XXXXXXX/{draft.safetensors, draft_config.json, metrics.json, COMPLETE}
                    (train/checkpoint.py adds ds/, DeepSpeed's own state)
   eval result      eval/<checkpoint>.json
+  run records      train_log.jsonl (append-only), best.json, train_recipe.yaml (train/)
+  regeneration     <key>.partial/{inputs.json, <split>.jsonl} (data/regenerate.py)
   export           export/<format>/{config.json, model.safetensors, README.md}
   released head    a directory of config.json + *.safetensors (draft.init_from)
 
@@ -47,6 +49,49 @@ def read_json(path: Path):
         raise SpecdistillError(f"{path}: cannot read ({e})") from None
     except json.JSONDecodeError as e:
         raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    """Append records as JSON lines (one write: a kill cuts at most the last line)."""
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSON-lines file (atomically) by `records`."""
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file written by `append_jsonl`; a line a kill cut short is left out (what it
+    recorded is redone), [] where there is no file."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in filter(str.strip, path.read_text().splitlines()):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def write_yaml(path: Path, obj) -> None:
+    import yaml
+
+    write_text_atomic(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def read_yaml(path: Path):
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise SpecdistillError(f"{path}: cannot read ({e})") from None
+    except yaml.YAMLError as e:
+        raise SpecdistillError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
 
 
 # ---- corpus summary -----------------------------------------------------------------------------------
@@ -208,7 +253,7 @@ def read_released_head(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     d = Path(path).expanduser()
     if not (d / "config.json").is_file():
         raise SpecdistillError(f"draft.init_from {path}: expected a directory with config.json and *.safetensors "
-                               f"(a vllm-eagle, vllm-eagle3 or speculators head)")
+                               f"(a released or exported head)")
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise SpecdistillError(f"draft.init_from {path}: no .safetensors weight files")

@@ -31,8 +31,30 @@ def kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return terms.where(a > 0, terms.new_zeros(())).sum(-1)
 
 
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """tvd = 1/2 sum_x |p - q| of two distributions (probabilities) over the last axis."""
+    return 0.5 * (p - q).abs().sum(-1)
+
+
 def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    return total_variation(log_p.exp(), log_q.exp())
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p, q) = 1 - tvd: the probability that a token drafted from q is accepted against p (T=1)."""
+    return p.minimum(q).sum(-1)
+
+
+def top1_match(p: torch.Tensor, q: torch.Tensor, q_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax q = argmax p, the acceptance event at T=0 (p, q: probabilities or logits); `q_ids` maps q's
+    index to p's (a reduced draft vocabulary: draft id -> target id)."""
+    q_top = q.argmax(-1)
+    return (q_top if q_ids is None else q_ids[q_top]) == p.argmax(-1)
+
+
+def predicted_alpha(mean_tvd: float) -> float:
+    """The first draft's expected acceptance at T=1 predicted offline: 1 - E[tvd] (metrics.md)."""
+    return 1.0 - mean_tvd
 
 
 def divergences(log_p: torch.Tensor, log_q: torch.Tensor, names=DIVERGENCES, beta: float = 0.5) -> dict:

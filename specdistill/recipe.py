@@ -242,7 +242,7 @@ def _set(tree: dict, parts: list[str], value: object, origin: str) -> None:
     node[parts[-1]] = value
 
 
-# Tags of the discriminated unions, which pydantic puts into an error's location (draft.eagle3.ttt_steps).
+# Tags of the discriminated unions, which pydantic puts into an error's location (draft.<kind>.key).
 UNION_TAGS = {"draft": set(KIND_NAMES), "loss": set(KIND_NAMES), "tree": {"static", "dynamic"}}
 
 

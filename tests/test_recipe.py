@@ -85,3 +85,17 @@ def test_cli_prints_one_line_error(tmp_path, capsys):
     assert main(["prepare", "--recipe", str(p)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown key 'train.typo'" in err and "Traceback" not in err
+
+
+def test_kind_specific_loss_keys_belong_to_their_kind(tmp_path):
+    """A kind's loss keys (kinds/<kind>/config.py Loss) are valid for it and refused, by name, for another kind."""
+    eagle3 = load_recipe(write(tmp_path, MINIMAL.replace("kind: eagle", "kind: eagle3")), ["loss.ttt_decay=0.5"])
+    assert eagle3.loss.ttt_decay == 0.5 and eagle3.loss.terms == {"fkl": 1.0}
+    assert "kind" not in eagle3.model_dump()["loss"]  # the tag the recipe adds is not a key of the section
+    assert load_recipe(write(tmp_path, MINIMAL)).loss.feature_weight == 1.0  # EAGLE-1's defaults
+    for kind, key in (("draft_lm", "loss.ttt_decay=0.5"), ("eagle", "loss.ttt_decay=0.5"),
+                      ("draft_lm", "loss.feature_noise=0.1"), ("eagle3", "loss.distribution_sample=0.5")):
+        path = write(tmp_path, MINIMAL.replace("kind: eagle", f"kind: {kind}"))
+        with pytest.raises(SpecdistillError) as e:
+            load_recipe(path, [key])
+        assert str(e.value) == f"{path}: unknown key '{key.split('=')[0]}'"

@@ -155,8 +155,8 @@ The head is only valid with this exact target.
 ```sh
 {serve_command(recipe, fmt, final_dir, k)}
 ```
-"method" is explicit: vLLM guesses it from the path only (`eagle-` -> eagle, `eagle3` -> eagle3,
-else draft_model), and an export directory may be moved or renamed.
+"method" is explicit: vLLM guesses it from the directory name only, and an export directory may be
+moved or renamed.
 num_speculative_tokens {k}: {k_reason}.
 
 ## Measured

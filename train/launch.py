@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_metrics, write_text_atomic
+from specdistill.formats import read_metrics, read_yaml, write_json_atomic, write_yaml
 from specdistill.recipe import recipe_dump
 from specdistill.train.ds_config import build_ds_config
 from specdistill.train.loop import _free_port, train
@@ -29,9 +28,9 @@ def write_run_files(recipe) -> Path:
     run_dir = recipe.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     world = recipe.train.num_gpus * recipe.train.num_nodes
-    write_text_atomic(run_dir / "ds_config.json", json.dumps(build_ds_config(recipe.train, world), indent=1))
+    write_json_atomic(run_dir / "ds_config.json", build_ds_config(recipe.train, world))
     resolved = run_dir / "train_recipe.yaml"
-    write_text_atomic(resolved, yaml.safe_dump(recipe_dump(recipe), sort_keys=False))
+    write_yaml(resolved, recipe_dump(recipe))
     return resolved
 
 
@@ -87,7 +86,7 @@ def check_rerun(recipe) -> None:
     resolved = recipe.run_dir / "train_recipe.yaml"
     if not layout.checkpoints(recipe.run_dir) or not resolved.exists():
         return
-    diff = changed_settings(recipe, yaml.safe_load(resolved.read_text()) or {})
+    diff = changed_settings(recipe, read_yaml(resolved) or {})
     if diff:
         raise SpecdistillError(f"{recipe.run_dir} holds checkpoints trained with other settings ({'; '.join(diff)}); "
                                f"resuming would mix them: use another run_name, or pass --restart to start this run over")

@@ -11,7 +11,6 @@ see the same micro batches, and a resumed run continues exactly where the interr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from specdistill import kinds, layout
 from specdistill.data.cache_reader import collate, open_cache
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_metrics, write_text_atomic
+from specdistill.formats import append_jsonl, read_jsonl, read_metrics, write_jsonl
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
 from specdistill.train import checkpoint
@@ -131,13 +130,12 @@ def _trim_log(run_dir: Path, keep_through: int) -> None:
     path = run_dir / "train_log.jsonl"
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_through]
-    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    kept = [r for r in read_jsonl(path) if r["step"] <= keep_through]
+    write_jsonl(path, kept)
 
 
 def _log_line(run_dir: Path, record: dict) -> None:
-    with open(run_dir / "train_log.jsonl", "a") as fh:  # append-only; one line per step
-        fh.write(json.dumps(record) + "\n")
+    append_jsonl(run_dir / "train_log.jsonl", [record])  # append-only; one line per step
 
 
 def train(recipe, stop_after: int | None = None) -> list[dict]:

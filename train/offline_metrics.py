@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.metrics import divergences
+from specdistill.metrics import divergences, predicted_alpha, top1_match
 from specdistill.train.losses import distribution_logprobs
 
 FULL_VOCABULARY = "full vocabulary"
@@ -33,19 +33,19 @@ def first_draft_metrics(objective, batches) -> dict:
         per = divergences(log_p, log_q, ("fkl", "tvd"))
         sums["fkl"] += per["fkl"].sum().item()
         sums["tvd"] += per["tvd"].sum().item()
-        if "topk_ids" in pred:
-            p_top = pred["topk_ids"][:, 0]
+        if "topk_ids" in pred:  # the cached top-k is descending: its first id is argmax p
+            hits = pred["q_logits"].argmax(-1) == pred["topk_ids"][:, 0]
             k = pred["topk_ids"].shape[1]
             label = f"top-{k} truncated, tail mass kept as one 'other' bucket"
             labels = {"fkl": f"top-{k}+tail", "tvd": f"top-{k}+tail",
                       "predicted_alpha": f"top-{k}+tail, upper bound", "top1": FULL_VOCABULARY}
         else:
-            p_top = pred["p_logits"].argmax(-1)
-        sums["top1"] += (pred["q_logits"].argmax(-1) == p_top).sum().item()
+            hits = top1_match(pred["p_logits"], pred["q_logits"])
+        sums["top1"] += hits.sum().item()
         positions += pred["q_logits"].shape[0]
     labels = labels or dict.fromkeys(("fkl", "tvd", "predicted_alpha", "top1"), FULL_VOCABULARY)
     if positions == 0:
         return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
     out = {k: v / positions for k, v in sums.items()}
-    out["predicted_alpha"] = 1.0 - out["tvd"]
+    out["predicted_alpha"] = predicted_alpha(out["tvd"])
     return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}

@@ -10,7 +10,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime import new_cache
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle.model import EagleHead
-from specdistill.metrics import simulated_tau
+from specdistill.metrics import acceptance, simulated_tau, top1_match
 from specdistill.target import target_logits_from_hidden
 from specdistill.train import losses, objective
 from specdistill.train.objective import counted
@@ -114,7 +114,7 @@ class Objective(objective.Objective):
             c[:, :L - 1 - s] = trained[:, 2 + s:]
             p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, h[:, 1 + s:][c[:, :L - s]]).float(), -1)
             q = torch.softmax(head.logits(state[c]).float(), -1)
-            hits.append((p.argmax(-1) == q.argmax(-1)).sum().item())
-            overlap.append(torch.minimum(p, q).sum(-1).sum().item())
+            hits.append(top1_match(p, q).sum().item())
+            overlap.append(acceptance(p, q).sum().item())
             n.append(int(c.sum()))
         return hits, overlap, n

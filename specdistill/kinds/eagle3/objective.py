@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle3.model import Eagle3Head
-from specdistill.metrics import divergences, simulated_tau
+from specdistill.metrics import acceptance, divergences, predicted_alpha, simulated_tau, top1_match, total_variation
 from specdistill.target import target_logits_from_hidden
 from specdistill.train import losses, objective
 from specdistill.train.objective import counted
@@ -139,8 +139,8 @@ class Objective(objective.Objective):
                 q_d = torch.softmax(pred["metric_q_logits"].float(), -1)
                 q = torch.zeros_like(p)
                 q[:, ids] = q_d
-                sums["tvd"] += (0.5 * (p - q).abs().sum(-1)).sum().item()
-                sums["top1"] += (ids[q_d.argmax(-1)] == p.argmax(-1)).sum().item()
+                sums["tvd"] += total_variation(p, q).sum().item()
+                sums["top1"] += top1_match(p, q_d, ids).sum().item()
                 sums["vocab_coverage"] += p[:, ids].sum(-1).sum().item()
                 positions += p.shape[0]
             for s, step in enumerate(pred["steps"]):
@@ -149,20 +149,20 @@ class Objective(objective.Objective):
                     step_acc.append(0.0)
                     step_n.append(0)
                 if s == 0 and pred["metric_q_logits"].shape[0]:  # depth 1: every trained position, full p
-                    step_hits[0] += (ids[q_d.argmax(-1)] == p.argmax(-1)).sum().item()
-                    step_acc[0] += torch.minimum(p, q).sum(-1).sum().item()
+                    step_hits[0] += top1_match(p, q_d, ids).sum().item()
+                    step_acc[0] += acceptance(p, q).sum().item()
                     step_n[0] += p.shape[0]
                 n = step["q_logits"].shape[0]
                 if n and s > 0:
                     qs = torch.softmax(step["q_logits"].float(), -1)
                     full = self._full_p_at_step(batch, s, n)
                     if full is not None:
-                        step_hits[s] += (ids[qs.argmax(-1)] == full.argmax(-1)).sum().item()
-                        step_acc[s] += torch.minimum(full[:, ids], qs).sum(-1).sum().item()
+                        step_hits[s] += top1_match(full, qs, ids).sum().item()
+                        step_acc[s] += acceptance(full[:, ids], qs).sum().item()
                     else:  # over the draft vocabulary (p renormalised): an upper bound
                         ps = torch.softmax(step["p_logits"].float(), -1)
-                        step_hits[s] += (qs.argmax(-1) == ps.argmax(-1)).sum().item()
-                        step_acc[s] += torch.minimum(ps, qs).sum(-1).sum().item()
+                        step_hits[s] += top1_match(ps, qs).sum().item()
+                        step_acc[s] += acceptance(ps, qs).sum().item()
                     step_n[s] += n
                 if s == 0 and n:
                     log_p, log_q = losses.distribution_logprobs(step, 1.0)
@@ -174,7 +174,7 @@ class Objective(objective.Objective):
         if positions == 0:
             return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
         out = {k: v / positions for k, v in sums.items()}
-        out["predicted_alpha"] = 1.0 - out["tvd"]
+        out["predicted_alpha"] = predicted_alpha(out["tvd"])
         out["fkl"] = fkl_sum / fkl_n if fkl_n else float("nan")
         out["top1_at"] = [h / n if n else 0.0 for h, n in zip(step_hits, step_n)]
         out["alpha_at"] = [a / n if n else 0.0 for a, n in zip(step_acc, step_n)]
