@@ -7,7 +7,6 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 """
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill import kinds, layout
+from specdistill import device, kinds, layout
 from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
@@ -31,20 +30,6 @@ from specdistill.target import load_target, load_target_config, load_tokenizer
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware() -> dict:
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -222,7 +207,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "k": cfg.k,
-        "hardware": hardware(),
+        "hardware": device.hardware(),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
         "costs": costs,

@@ -43,12 +43,17 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def read_json(path: Path):
+    return _read_parsed(path, json.loads, json.JSONDecodeError, "JSON")
+
+
+def _read_parsed(path: Path, parse, invalid, what: str):
+    """parse(the file's text); SpecdistillError naming the file when it cannot be read or parsed."""
     try:
-        return json.loads(Path(path).read_text())
+        return parse(Path(path).read_text())
     except OSError as e:
         raise SpecdistillError(f"{path}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise SpecdistillError(f"{path}: not valid JSON ({e})") from None
+    except invalid as e:
+        raise SpecdistillError(f"{path}: not valid {what} ({e})".replace("\n", " ")) from None
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:
@@ -86,12 +91,7 @@ def write_yaml(path: Path, obj) -> None:
 def read_yaml(path: Path):
     import yaml
 
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise SpecdistillError(f"{path}: cannot read ({e})") from None
-    except yaml.YAMLError as e:
-        raise SpecdistillError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+    return _read_parsed(path, yaml.safe_load, yaml.YAMLError, "YAML")
 
 
 # ---- corpus summary -----------------------------------------------------------------------------------
