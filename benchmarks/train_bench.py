@@ -113,14 +113,14 @@ def reader_tokens_per_s(recipe, steps: int = 40) -> dict[int, float]:
 
     from specdistill import layout
     from specdistill.data.cache_reader import open_cache
-    from specdistill.train.loop import StepBatches, batch_loader
+    from specdistill.train.loop import StepBatches, read_batches
 
     data = open_cache(layout.cache_dir(recipe.run_dir), "train")
     out = {}
     for workers in (0, 2):
-        loader = batch_loader(data, StepBatches(len(data), 0, steps, recipe.train, 1, 0), torch.device("cpu"), workers)
         t0, tokens = time.perf_counter(), 0
-        for batch in loader:
+        for batch in read_batches(data, StepBatches(len(data), 0, steps, recipe.train, 1, 0), torch.device("cpu"),
+                                  workers):
             tokens += int(batch["attention_mask"].sum())
         out[workers] = tokens / (time.perf_counter() - t0)
     return out

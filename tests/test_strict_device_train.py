@@ -151,7 +151,7 @@ def test_loader_with_workers_yields_the_step_order(tmp_path, tiny_target_dir):
     from specdistill import layout
     from specdistill.data.cache_reader import CacheDataset, collate
     from specdistill.recipe import load_recipe
-    from specdistill.train.loop import StepBatches, batch_loader, loader_workers, step_micro_batches
+    from specdistill.train.loop import StepBatches, loader_workers, read_batches, step_micro_batches
     from tests.test_train import write_cache
 
     recipe = load_recipe(write_recipe(tmp_path, tiny_target_dir, "eagle"),
@@ -163,9 +163,8 @@ def test_loader_with_workers_yields_the_step_order(tmp_path, tiny_target_dir):
     for start in (0, 3):
         expected = [collate([data[i] for i in mb]) for step in range(start, 6)
                     for mb in step_micro_batches(len(data), step, 2, 2, 2, 1, tc.seed)]
-        loader = batch_loader(data, StepBatches(len(data), start, 6, tc, world=2, rank=1), torch.device("cpu"),
-                              workers=2)
-        got = list(loader)
+        got = list(read_batches(data, StepBatches(len(data), start, 6, tc, world=2, rank=1), torch.device("cpu"),
+                                workers=2))
         assert len(got) == len(expected) == (6 - start) * 2
         for a, b in zip(got, expected):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,14 +89,16 @@ def loader_workers(device: torch.device, processes_per_node: int, cores: int | N
     return max(1, min(4, cores // max(1, processes_per_node) - 1))
 
 
-def batch_loader(data, sampler, device: torch.device, workers: int) -> DataLoader:
-    """Collated micro batches in the sampler's order. An online cache computes with the target in this process:
-    no workers. Pinned host memory on CUDA, so the copy to the GPU runs beside the step."""
+def read_batches(data, sampler, device: torch.device, workers: int) -> Iterator[dict]:
+    """Collated micro batches in the sampler's order, read by a DataLoader. An online cache computes with the
+    target in this process: no workers. Pinned host memory on CUDA, so the copy to the GPU runs beside the step."""
     online = isinstance(data, OnlineDataset)
     workers = 0 if online else workers
     pin = torch.device(device).type == "cuda" and not online
-    return DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=pin,
-                      prefetch_factor=4 if workers else None, persistent_workers=False)
+    loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=pin,
+                        prefetch_factor=4 if workers else None, persistent_workers=False)
+    with torch.device("cpu"):  # the loader's own bookkeeping (its workers' base seed) lives on the host
+        return iter(loader)
 
 
 def to_device(batch: dict, device) -> dict:
@@ -179,9 +182,10 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
     if len(data) == 0:
         raise SpecdistillError(f"{cache}: the train split has no sequences")
     torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
-    parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
-    head = draft_kind.build(recipe, parts, data)
-    objective = draft_kind.Objective(head, parts, recipe.loss, data)
+    with torch.device(device):  # modules are made where they train (no host copy of a large draft LM first)
+        parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
+        head = draft_kind.build(recipe, parts, data)
+        objective = draft_kind.Objective(head, parts, recipe.loss, data)
     trainable = [p for p in objective.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(model=objective, model_parameters=trainable,
                                               config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
@@ -201,8 +205,8 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
     run = RunState(recipe, rank, world, device, run_dir,
                    Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta, tokens_seen)
     stop = tc.max_steps if stop_after is None else min(tc.max_steps, max(stop_after, start))
-    batches = iter(batch_loader(data, StepBatches(len(data), start, stop, tc, world, rank), device,
-                                loader_workers(device, min(tc.num_gpus, world))))
+    batches = read_batches(data, StepBatches(len(data), start, stop, tc, world, rank), device,
+                           loader_workers(device, min(tc.num_gpus, world)))
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
     try:
