@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill import device, kinds, layout
+from specdistill import device as devices
+from specdistill import kinds, layout
 from specdistill.eval import comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
@@ -32,18 +33,14 @@ T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exac
                     "statistical test (tests/test_engine.py::test_sampling_distribution_matches_target)")
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 WARMUP_TOKENS = 8
 
 
-def warm_up(decoders, prompt_ids, temperature) -> None:
+def warm_up(decoders, prompt_ids, temperature, device) -> None:
     """One short untimed decode per decoder before any timed one (first-call allocations, lazy kernels)."""
     for d in decoders:
         if d is not None:
-            d.decode(prompt_ids, WARMUP_TOKENS, temperature, _generator(0))
+            d.decode(prompt_ids, WARMUP_TOKENS, temperature, devices.generator(device, 0))
 
 
 @dataclass
@@ -67,19 +64,23 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
+    dev = decoders.target.device
+
+    def generator(seed):  # the same seed for every decoder of a prompt, on the device it samples on
+        return devices.generator(dev, seed)
     if prompts:
-        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature)
+        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature, dev)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
         if base_first:
-            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         for k in ks:
-            spec_runs[k].append(chain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+            spec_runs[k].append(chain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed), k=k))
         if not base_first:
-            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
-            tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         for name in comparator_names:
             tokens, seconds = comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
                                                          decoders.eos, decoders.pad_id, draft=decoders.draft, k=eval_cfg.k)
@@ -101,7 +102,7 @@ def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
                 continue
             at = next((j for j, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b),
                       min(len(run.tokens), len(base.tokens)))
-            ids = torch.tensor(prompts[i].ids + base.tokens[:at])
+            ids = torch.tensor(prompts[i].ids + base.tokens[:at], device=runtime.device)
             runtime.reset(ids.numel() + 8)
             logits, _ = runtime.forward(ids, 0, logits_to_keep=1)
             top = logits[-1].float().topk(2).values
@@ -207,7 +208,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "k": cfg.k,
-        "hardware": device.hardware(),
+        "hardware": devices.hardware(target.device),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
         "costs": costs,
@@ -229,7 +230,8 @@ def run(recipe, args) -> list[Path]:
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
-    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}))
+    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}),
+                         device=devices.resolve(recipe.device))
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)

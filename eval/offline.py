@@ -26,9 +26,9 @@ def vocab_coverage_eval(draft, outputs: list[list[int]], vocab_size: int) -> dic
     tokens = [t for out in outputs for t in out]
     if ids is None:
         return {"vocab_coverage_eval": None, "vocab_coverage_eval_tokens": len(tokens), "draft_vocab_size": None}
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")  # host bookkeeping over token lists
     inside[ids] = True
-    hits = int(inside[torch.tensor(tokens, dtype=torch.long)].sum()) if tokens else 0
+    hits = int(inside[torch.tensor(tokens, dtype=torch.long, device="cpu")].sum()) if tokens else 0
     return {"vocab_coverage_eval": hits / len(tokens) if tokens else None, "vocab_coverage_eval_tokens": len(tokens),
             "draft_vocab_size": int(ids.numel())}
 
@@ -52,7 +52,7 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
-        seq = torch.tensor([prompt + cont])
+        seq = torch.tensor([prompt + cont], device=target.device)
         p_logits, q_logits = draft_kind.prompt_logits(draft, target, seq)  # row j predicts token j+1
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
         log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)

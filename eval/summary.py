@@ -35,7 +35,8 @@ def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
         sizes.append(tree.shape.verified_tokens)
     while len(ids) < 128 + max(sizes):
         ids = ids + ids
-    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
+    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)], device=runtime.device), sorted(set(sizes)),
+                       repeats=15)
     return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
             "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
 

@@ -67,13 +67,14 @@ class HeadDrafter:
     def run(self, ids: torch.Tensor, state: torch.Tensor, start: int) -> torch.Tensor:
         """The head over ids [M] and states [1, M, H] at positions start.. (its cache cut to `start` first)."""
         crop_cache(self.cache, start)
-        return self.head(ids[None], state, torch.arange(start, start + ids.numel())[None], past_key_values=self.cache)
+        positions = torch.arange(start, start + ids.numel(), device=ids.device)[None]
+        return self.head(ids[None], state, positions, past_key_values=self.cache)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
         m = 0 if new_features is None else new_features.shape[0]
         real = n - 1 - m  # positions [0, real) already hold real-feature entries
         if m == 0 or k == 0:
-            return stack_draws([], [])
+            return stack_draws([], [], seq.device)
         h = self.run(seq[real + 1:n], self.project(new_features[None]), real)[:, -1:]
         tokens, qs = [], []
         for i in range(k):
@@ -82,4 +83,4 @@ class HeadDrafter:
             qs.append(q)
             if i + 1 < k:
                 h = self.run(tok.view(1), h, n - 1 + i)
-        return stack_draws(tokens, qs)
+        return stack_draws(tokens, qs, seq.device)

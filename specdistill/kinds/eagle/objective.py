@@ -45,7 +45,8 @@ class Objective(objective.Objective):
         B, T = ids.shape
         feats = h[:, :-1]
         if noise > 0:  # EAGLE's uniform noise on the input features, half-width noise * feature std
-            u = torch.rand(feats.shape, generator=generator, dtype=torch.float32).to(feats.device, feats.dtype)
+            u = torch.rand(feats.shape, generator=generator, dtype=torch.float32, device=generator.device)
+            u = u.to(feats.device, feats.dtype)  # drawn on the generator's device: the rank's, in training
             feats = feats + (2 * u - 1) * (noise * self.feature_std)
         f_hat = teacher_forced(self.head, ids, feats, batch["attention_mask"])
         # output t predicts f[t+1]; its token t+2 must be trained
@@ -57,7 +58,8 @@ class Objective(objective.Objective):
         keep = slice(None)
         share = self.loss_cfg.distribution_sample
         if share < 1.0 and generator is not None and f.shape[0] > 1:
-            keep = torch.randperm(f.shape[0], generator=generator)[:max(1, round(f.shape[0] * share))]
+            keep = torch.randperm(f.shape[0], generator=generator, device=generator.device)
+            keep = keep[:max(1, round(f.shape[0] * share))].to(f.device)
         with torch.no_grad():
             p_logits = target_logits_from_hidden(parts.config, parts.lm_head, f[keep])
         return {"q_logits": target_logits_from_hidden(parts.config, parts.lm_head, f_hat[keep]),

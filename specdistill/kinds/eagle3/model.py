@@ -31,13 +31,14 @@ from specdistill.target import read_target_tensors, resolve_aux_layers
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """The draft vocabulary: ids of the most frequent tokens, sorted ascending (as d2t requires)."""
     size = min(draft_vocab_size, counts.numel())
-    top = torch.topk(counts.double() + 1e-9 * (-torch.arange(counts.numel(), dtype=torch.double)), size).indices
+    ties = -torch.arange(counts.numel(), dtype=torch.double, device=counts.device)  # lower id first among equals
+    top = torch.topk(counts.double() + 1e-9 * ties, size).indices
     return top.sort().values
 
 
 def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
     """How often each token is a trained (loss-masked) token in the cached train split."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")  # counted on the host, from the shards
     for shard in formats.shard_paths(layout.cache_dir(run_dir), "train"):
         tensors = formats.read_shard(shard, keys=("input_ids", "loss_mask"))
         ids, mask = tensors["input_ids"].long(), tensors["loss_mask"].bool()
@@ -46,8 +47,8 @@ def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d2t = (draft_ids - torch.arange(draft_ids.numel())).long()
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    d2t = (draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device)).long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_ids.device)
     t2d[draft_ids] = True
     return d2t, t2d
 
@@ -74,11 +75,12 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(aux_layers) * hidden, hidden, bias=False)
         self.norm = type(layer.input_layernorm)(hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
+        # buffers start on the host like the layers' weights; the head moves to its device as a whole
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"))
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool, device="cpu"))
         # Pre-norm residual states spread ~1 to ~1000 per dimension (a few "massive" dimensions); Adam
         # learns fc far faster on unit-scale inputs. fc reads aux * aux_scale; export folds it into fc.
-        self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden))
+        self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden, device="cpu"))
         self.embed_tokens: nn.Embedding | None = None
 
     @property

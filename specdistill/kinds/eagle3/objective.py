@@ -30,7 +30,8 @@ def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps
     cache = DynamicCache(config=head.config)
     state = head.project(aux_features)
     if noise > 0:  # EAGLE's feature noise, on the fused state
-        u = torch.rand(state.shape, generator=generator, dtype=torch.float32).to(state.device, state.dtype)
+        u = torch.rand(state.shape, generator=generator, dtype=torch.float32, device=generator.device)
+        u = u.to(state.device, state.dtype)  # drawn on the generator's device: the rank's, in training
         state = state + (2 * u - 1) * noise * state.detach().std()
     outs = []
     base = torch.arange(T, device=input_ids.device).expand(B, -1)
