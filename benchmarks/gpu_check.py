@@ -242,7 +242,7 @@ def measure_cache(recipe_path: Path, args) -> dict:
     dd, _ = load_prepared(layout.corpus_dir(recipe.run_dir))
     split = dd["train"]
     lengths = [len(x) for x in split["input_ids"]]
-    model = load_model(recipe)
+    model = load_model(recipe, dev)
     settings = cache_settings(recipe, resolve_store(recipe))
     now = devices.clock(dev)
     with _strict(args):
