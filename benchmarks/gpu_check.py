@@ -233,9 +233,10 @@ def measure_cache(recipe_path: Path, args) -> dict:
     """Tokens/s of the cache pass (data/cache.py compute_shard, what `specdistill cache` runs per shard) on the
     train split, after a warm-up batch, timed with the device's synchronising clock."""
     from specdistill import layout
-    from specdistill.data.cache import cache_settings, compute_shard, load_model, resolve_store
+    from specdistill.data.cache import compute_shard, load_model, resolve_store
     from specdistill.data.prepare import load_prepared
     from specdistill.recipe import load_recipe
+    from specdistill.train.eagle3 import resolve_aux_layers
 
     recipe = load_recipe(recipe_path)
     dev = devices.resolve(args.device)
@@ -243,13 +244,17 @@ def measure_cache(recipe_path: Path, args) -> dict:
     split = dd["train"]
     lengths = [len(x) for x in split["input_ids"]]
     model = load_model(recipe, dev)
-    settings = cache_settings(recipe, resolve_store(recipe))
+    store = resolve_store(recipe)  # the settings build_cache hands compute_shard (data/cache.py)
+    settings = {"store": store, "aux_layers": resolve_aux_layers(recipe, model.config.num_hidden_layers),
+                "dtype": recipe.cache.dtype, "topk": recipe.cache.topk, "batch_tokens": recipe.cache.batch_tokens}
     now = devices.clock(dev)
     with _strict(args):
         compute_shard(model, split, range(0, 1), lengths, settings)  # warm-up
         t0 = now()
         compute_shard(model, split, range(len(lengths)), lengths, settings)
         seconds = now() - t0
+    if not settings["store"] or seconds <= 0:
+        raise RuntimeError(f"the cache pass computed nothing (store {settings['store']})")
     del model
     gc.collect()
     if dev.type == "cuda":
