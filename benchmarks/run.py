@@ -1,11 +1,14 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
 Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime).
+After each, its peak memory (device.peak_memory: this process's resident set, and the GPU's on CUDA).
 """
 from __future__ import annotations
 
 import importlib
 import sys
+
+from specdistill import device
 
 BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
@@ -17,12 +20,21 @@ BENCHES = {
 
 def main(argv: list[str]) -> int:
     chosen = argv or list(BENCHES)
+    where = device.resolve("auto")
+    peaks = {}
     for name in chosen:
         if name not in BENCHES:
             print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
             return 2
         print(f"\n=== benchmark: {name} ===", flush=True)
+        device.reset_peak_memory(where)
         importlib.import_module(BENCHES[name]).main()
+        peaks[name] = device.peak_memory(where)
+        print(f"peak memory of benchmark {name}: " + ", ".join(f"{k} {v}" for k, v in peaks[name].items()), flush=True)
+    if len(peaks) > 1:
+        print("\npeak memory per benchmark (" + str(where) + "; processes a benchmark starts are not counted):")
+        for name, peak in peaks.items():
+            print(f"  {name:8s} " + ", ".join(f"{k} {v}" for k, v in peak.items()))
     return 0
 
 

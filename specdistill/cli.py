@@ -8,6 +8,7 @@ on the command line, before or after the options (`parse_intermixed_args`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -79,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage is None:
         build_parser().print_help()
         return 2
-    from specdistill.recipe import load_recipe  # deferred: it imports torch; `--help` should answer at once
+    from specdistill import device  # deferred: it imports torch; `--help` should answer at once
+    from specdistill.recipe import load_recipe
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         module = importlib.import_module(STAGES[args.stage][0])
-        module.run(recipe, args)
+        # SPECDISTILL_STRICT_DEVICE=1 (make gpu-check): a tensor made without device= stops the stage, naming file:line
+        with device.strict_device() if device.strict_from_env() else contextlib.nullcontext():
+            module.run(recipe, args)
     except SpecdistillError as e:
         print(f"specdistill {args.stage}: error: {e}", file=sys.stderr)
         return 1

@@ -205,11 +205,12 @@ class Objective(objective.Objective):
             if pred["metric_q_logits"].shape[0]:
                 p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, pred["metric_f"]).float(), -1)
                 q_d = torch.softmax(pred["metric_q_logits"].float(), -1)
-                q = torch.zeros_like(p)
-                q[:, ids] = q_d
-                sums["tvd"] += (0.5 * (p - q).abs().sum(-1)).sum().item()
+                # q is zero outside the draft vocabulary: there |p - q| = p and min(p, q) = 0, so no [N, V] q
+                # (each full-vocabulary tensor is N x 49k floats; these metrics were the training's memory peak)
+                p_in = p[:, ids]
+                sums["tvd"] += (0.5 * ((p.sum(-1) - p_in.sum(-1)) + (p_in - q_d).abs().sum(-1))).sum().item()
                 sums["top1"] += (ids[q_d.argmax(-1)] == p.argmax(-1)).sum().item()
-                sums["vocab_coverage"] += p[:, ids].sum(-1).sum().item()
+                sums["vocab_coverage"] += p_in.sum(-1).sum().item()
                 positions += p.shape[0]
             for s, step in enumerate(pred["steps"]):
                 if s == len(step_hits):
@@ -218,8 +219,9 @@ class Objective(objective.Objective):
                     step_n.append(0)
                 if s == 0 and pred["metric_q_logits"].shape[0]:  # depth 1: every trained position, full p
                     step_hits[0] += (ids[q_d.argmax(-1)] == p.argmax(-1)).sum().item()
-                    step_acc[0] += torch.minimum(p, q).sum(-1).sum().item()
+                    step_acc[0] += torch.minimum(p_in, q_d).sum(-1).sum().item()
                     step_n[0] += p.shape[0]
+                    del p  # before the next depth's full-vocabulary p
                 n = step["q_logits"].shape[0]
                 if n and s > 0:
                     qs = torch.softmax(step["q_logits"].float(), -1)
