@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from specdistill import kinds, layout
+from specdistill import faults, kinds, layout
 from specdistill.data.cache_reader import collate, open_cache
-from specdistill.errors import SpecdistillError
+from specdistill.errors import Preempted, SpecdistillError
 from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
-from specdistill.train import checkpoint
+from specdistill.train import checkpoint, preemption
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
 from specdistill.train.report_to import Reporters
 
@@ -150,6 +150,7 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     tc, draft_kind = recipe.train, kinds.kind(recipe.draft.kind)
     rank, world, device = init_distributed()
     run_dir = recipe.run_dir
+    preemption.record_start(run_dir, rank)
     cache = layout.cache_dir(run_dir)
     data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
@@ -178,6 +179,7 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
                    Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta, tokens_seen)
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
+    stop = preemption.StopRequests().install()  # SIGTERM: save at the next step boundary, then stop
     try:
         for step in range(start, tc.max_steps):
             t0 = time.time()
@@ -197,9 +199,14 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
             done = step + 1
             if done % tc.save_every == 0 or done == tc.max_steps:
                 run.last_good = _save(run, ds_engine, done, heldout, record)
+            if done < tc.max_steps and stop.requested(world):
+                if run.last_good is None or layout.step_of(run.last_good) != done:
+                    run.last_good = _save(run, ds_engine, done, heldout, record)
+                raise preemption.stopped(run_dir, run.last_good, rank)
             if stop_after is not None and done >= stop_after:
                 break
     finally:
+        stop.restore()
         bar.close()
         if run.writer is not None:
             run.writer.close()
@@ -228,6 +235,8 @@ def _train_step(run: RunState, ds_engine, data, step: int) -> dict:
         sums = values if sums is None else sums + values
         tokens += int(batch["attention_mask"].sum())
         ds_engine.backward(loss)
+        if m == 0:
+            faults.point("step", step + 1, run.rank)  # fault suite: a kill in the middle of a step
         if m == len(micro_batches) - 1:
             grad_norm = _grad_norm(ds_engine)
         ds_engine.step()
@@ -294,11 +303,22 @@ def main(argv=None) -> int:
     parser.add_argument("--stop_after", type=int, default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    rank = int(os.environ.get("RANK", 0))
     try:
-        train(load_recipe(args.recipe, args.overrides), stop_after=args.stop_after)
+        train(recipe, stop_after=args.stop_after)
+    except Preempted as e:
+        preemption.record_end(recipe.run_dir, rank, "preempted")
+        print(f"specdistill train: {e}", flush=True)
+        return Preempted.EXIT_CODE
     except SpecdistillError as e:
+        preemption.record_end(recipe.run_dir, rank, f"error: {e}")
         print(f"specdistill train: error: {e}", flush=True)
         return 1
+    except BaseException as e:  # e.g. a collective failing because another rank died: recorded, then raised
+        preemption.record_end(recipe.run_dir, rank, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        raise
+    preemption.record_end(recipe.run_dir, rank, "ok")
     return 0
 
 
