@@ -197,6 +197,7 @@ def test_corrupt_checkpoint_is_refused_by_eval_export_resume_and_warm_start(
         verify_stage.run(recipe)
     assert sorted(line.split(":")[0].split("/")[-1] for line in capsys.readouterr().out.splitlines()
                   if line.startswith("BAD")) == ["draft.safetensors", "model.safetensors"]
+    flip_byte(step2 / "draft.safetensors")  # flipped back: now only the optimizer state is bad
     flip_byte(step2 / "ds" / "state" / "mp_rank_00_model_states.pt")
     longer = make_recipe(tmp_path, tiny_target_dir, "ck", max_steps=3, save_every=1)
     with pytest.raises(SpecdistillError, match=r"mp_rank_00_model_states.pt: sha256 differs"):

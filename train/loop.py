@@ -303,7 +303,11 @@ def main(argv=None) -> int:
     parser.add_argument("--stop_after", type=int, default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except SpecdistillError as e:
+        print(f"specdistill train: error: {e}", flush=True)
+        return 1
     rank = int(os.environ.get("RANK", 0))
     try:
         train(recipe, stop_after=args.stop_after)
