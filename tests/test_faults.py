@@ -346,6 +346,15 @@ def test_the_cli_refuses_a_second_train_with_one_line(tmp_path, tiny_target_dir,
 
 def train_process(recipe_file: Path, root: Path, fault: str | None = None, sigterm_after_step: int | None = None,
                   timeout: float = 900) -> tuple[int, str, float]:
+    for attempt in range(3):
+        rc, text, seconds = train_process_once(recipe_file, root, fault, sigterm_after_step, timeout)
+        if "EADDRINUSE" not in text:  # the free port picked for the process group was taken meanwhile: retried
+            break
+    return rc, text, seconds
+
+
+def train_process_once(recipe_file: Path, root: Path, fault: str | None, sigterm_after_step: int | None,
+                       timeout: float) -> tuple[int, str, float]:
     """`specdistill train` as a real process: (exit status, its output, seconds from the injected fault or the
     SIGTERM to its exit). sigterm_after_step: SIGTERM its top process once the train log has that step."""
     env = dict(os.environ, SPECDISTILL_CHECKPOINTS=str(root), DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT),
