@@ -50,9 +50,9 @@ class StopRequests:
             print("SIGTERM: saving a checkpoint at the end of this step, then stopping", flush=True)
         self.signalled = True
 
-    def requested(self, world: int) -> bool:
-        """Collective: whether any rank was signalled."""
-        flag = torch.tensor([1.0 if self.signalled else 0.0])
+    def requested(self, world: int, device: torch.device) -> bool:
+        """Collective: whether any rank was signalled (the flag on the rank's device: NCCL refuses CPU tensors)."""
+        flag = torch.tensor([1.0 if self.signalled else 0.0], device=device)
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
