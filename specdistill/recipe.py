@@ -60,6 +60,10 @@ class CacheConfig(Section):
     topk: int = Field(32, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     shard_tokens: int = Field(65536, ge=16)
+    verify: Literal["sample", "full", "none"] = Field(
+        "sample", description="how a cache is checked against its checksums when it is reused and when training opens "
+                              "it: sizes and safetensors headers always; the data in full, or by a random 1/64 of it "
+                              "(all of a cache under 256 MiB), or not (specdistill/integrity.py)")
     batch_tokens: int = Field(4096, ge=16)
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)

@@ -29,13 +29,13 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from specdistill import device as devices
-from specdistill import kinds, layout
+from specdistill import faults, kinds, layout
 from specdistill.data.cache_reader import OnlineDataset, collate, open_cache
-from specdistill.errors import SpecdistillError
+from specdistill.errors import Preempted, SpecdistillError
 from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
-from specdistill.train import checkpoint
+from specdistill.train import checkpoint, preemption
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
 from specdistill.train.processes import join, use_accelerator
 from specdistill.train.report_to import Reporters
@@ -177,6 +177,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
     tc, draft_kind = recipe.train, kinds.kind(recipe.draft.kind)
     rank, world = join(device)
     run_dir = recipe.run_dir
+    preemption.record_start(run_dir, rank)
     cache = layout.cache_dir(run_dir)
     data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
@@ -209,6 +210,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
                            loader_workers(device, min(tc.num_gpus, world)))
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
+    preempt = preemption.StopRequests().install()  # SIGTERM: save at the next step boundary, then stop
     try:
         for step in range(start, stop):
             t0 = time.time()
@@ -228,7 +230,12 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
             done = step + 1
             if done % tc.save_every == 0 or done == tc.max_steps:
                 run.last_good = _save(run, ds_engine, done, heldout, record)
+            if done < tc.max_steps and preempt.requested(world, device):
+                if run.last_good is None or layout.step_of(run.last_good) != done:
+                    run.last_good = _save(run, ds_engine, done, heldout, record)
+                raise preemption.stopped(run_dir, run.last_good, rank)
     finally:
+        preempt.restore()
         bar.close()
         if run.writer is not None:
             run.writer.close()
@@ -256,6 +263,8 @@ def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
         sums = values if sums is None else sums + values
         tokens += batch["attention_mask"].sum()
         ds_engine.backward(loss)
+        if m == 0:
+            faults.point("step", step + 1, run.rank)  # fault suite: a kill in the middle of a step
         if m == accum - 1:
             grad_norm = _grad_norm(ds_engine)
         ds_engine.step()
@@ -323,10 +332,25 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        train(load_recipe(args.recipe, args.overrides), stop_after=args.stop_after)
+        recipe = load_recipe(args.recipe, args.overrides)
     except SpecdistillError as e:
         print(f"specdistill train: error: {e}", flush=True)
         return 1
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        train(recipe, stop_after=args.stop_after)
+    except Preempted as e:
+        preemption.record_end(recipe.run_dir, rank, "preempted")
+        print(f"specdistill train: {e}", flush=True)
+        return Preempted.EXIT_CODE
+    except SpecdistillError as e:
+        preemption.record_end(recipe.run_dir, rank, f"error: {e}")
+        print(f"specdistill train: error: {e}", flush=True)
+        return 1
+    except BaseException as e:  # e.g. a collective failing because another rank died: recorded, then raised
+        preemption.record_end(recipe.run_dir, rank, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        raise
+    preemption.record_end(recipe.run_dir, rank, "ok")
     return 0
 
 
