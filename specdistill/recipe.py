@@ -39,6 +39,9 @@ class CorpusConfig(Section):
     hub_split: str = "train"
     max_rows: int | None = Field(None, ge=1)
     max_length: int = Field(1024, ge=8)
+    truncate: Literal["right", "left"] = Field("right", description="a row longer than max_length: keep its first "
+                                               "max_length tokens (right), or cut a long prompt from the left so the "
+                                               "first reply token sits at max_length // 2 (left; data/prepare.py)")
     pack: bool = False
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     on_bad_row: Literal["error", "skip"] = Field("error", description="a malformed row or a conversation whose "
@@ -108,6 +111,8 @@ class TrainConfig(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
+    heldout_chain_positions: int = Field(1024, ge=0, description="held-out positions at which each checkpoint's "
+                                         "chain of eval.k drafts is replayed (`chain_tau`, eval/chain_tau.py); 0: none")
     keep_last: int | None = Field(None, ge=1, description="keep the optimizer (DeepSpeed) state of the last N "
                                   "checkpoints only; older ones keep weights and metrics; None: keep all")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(

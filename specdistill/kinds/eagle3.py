@@ -33,6 +33,7 @@ from specdistill.train.warm_start import released_eagle3_shape, warm_eagle3
 NAME = "eagle3"
 LABEL = "EAGLE-3"  # in messages and reports
 STORE = ["hidden_aux", "hidden_last"]
+DRAFTER_READS = "hidden_aux"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = ("vllm-eagle3", "speculators")
 DRAFTS_TREES = True
 PROMPTS_FKL_NOTE = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
