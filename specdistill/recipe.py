@@ -90,6 +90,14 @@ class LossConfig(Section):
     distribution_sample: float = Field(1.0, gt=0.0, le=1.0,
                                        description="eagle: share of positions that pay for the full-vocabulary distribution loss")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight decay**s of unroll step s")
+    acceptance_weight: float = Field(0.0, ge=0.0, le=1.0, description="hybrid objective: the loss becomes "
+                                     "(1 - w) * terms + w * tvd (1 - the T=1 acceptance), w ramped linearly from 0 "
+                                     "to this over the first acceptance_ramp of training (KL first); 0: off")
+    acceptance_ramp: float = Field(1.0, gt=0.0, le=1.0, description="share of train.max_steps over which the "
+                                   "acceptance weight ramps up")
+    ttt_wrong_weight: float = Field(1.0, ge=0.0, le=1.0, description="eagle3 (GRIFFIN-style): weight of an unrolled "
+                                    "step's position whose previous step predicted the wrong token (its input was "
+                                    "already off the target's path); 1: off")
 
 
 class TrainConfig(Section):
@@ -101,6 +109,9 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(4, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr: float = Field(3e-4, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw; or muon: DeepSpeed's Muon on the head's "
+                                                "matrices (not embeddings / lm_head) at muon_lr, AdamW at lr on the rest")
+    muon_lr: float = Field(0.02, gt=0, description="optimizer muon: the learning rate of the Muon half")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
