@@ -216,6 +216,7 @@ def _train_step(run: RunState, ds_engine, data, step: int) -> dict:
     micro_batches = step_micro_batches(len(data), step, tc.micro_batch_size, tc.gradient_accumulation_steps,
                                        world, run.rank, tc.seed)
     grad_norm = None
+    objective.progress = step / tc.max_steps  # the hybrid objective's ramp (train/objective.py)
     for m, indices in enumerate(micro_batches):
         batch = to_device(collate([data[i] for i in indices]), run.device)
         k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
