@@ -41,7 +41,7 @@ def replay(drafter, ids: torch.Tensor, features: torch.Tensor | None, greedy: to
     (the last steps draft fewer, as the engine's `room`). A depth whose token lies past the text is not
     judged (decoding would have cut at the EOS there)."""
     L = ids.numel()
-    seq = torch.zeros(L + k + 1, dtype=torch.long)
+    seq = torch.zeros(L + k + 1, dtype=torch.long, device=ids.device)
     seq[:L] = ids
     drafter.reset(L + SLACK)
     steps, seen, n = [], 0, start
@@ -68,7 +68,7 @@ def on_continuations(decoder, prompts: list[list[int]], continuations: list[list
     for prompt, cont in zip(prompts, continuations):
         if not cont:
             continue
-        ids = torch.tensor(prompt + cont)
+        ids = torch.tensor(prompt + cont, device=target.device)
         target.reset(ids.numel() + SLACK)
         logits, features = target.forward(ids, 0)
         replayed = replay(drafter, ids, features, logits.argmax(-1), len(prompt), k, budget=max_new_tokens)

@@ -56,7 +56,7 @@ class Objective(nn.Module):
             w = losses.acceptance_weight(cfg.acceptance_weight, cfg.acceptance_ramp, self.progress)
             acceptance, acc_parts = losses.mixed_loss(log_p, log_q, {"tvd": 1.0}, cfg.jsd_beta, weights)
             loss = (1 - w) * loss + w * acceptance
-            parts = {**parts, "tvd": acc_parts["tvd"], "acceptance_weight": torch.tensor(w)}
+            parts = {**parts, "tvd": acc_parts["tvd"], "acceptance_weight": torch.tensor(w, device=loss.device)}
         return loss, parts
 
     @torch.no_grad()
