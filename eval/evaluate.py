@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specdistill import device as devices
 from specdistill import integrity, kinds, layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import comparators
+from specdistill.eval import chain_tau, comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
@@ -447,7 +447,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
     coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
-    offline = {"heldout": heldout, "prompts": offline_prompts}
+    offline = {"heldout": heldout, "prompts": offline_prompts,
+               "chain_on_continuations": chain_tau.on_continuations(decoders.chain, [p.ids for p in prompts],
+                                                                    greedy_outputs, cfg.k, cfg.max_new_tokens)}
     if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
         t = min(sampled_outputs)
         offline["prompts_sampled"] = offline_on_prompts(

@@ -32,6 +32,7 @@ from specdistill import device as devices
 from specdistill import faults, kinds, layout
 from specdistill.data.cache_reader import OnlineDataset, collate, open_cache
 from specdistill.errors import Preempted, SpecdistillError
+from specdistill.eval.chain_tau import heldout_chain_tau
 from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
@@ -250,6 +251,7 @@ def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
     sums, tokens = None, torch.zeros((), dtype=torch.long, device=run.device)
     accum = tc.gradient_accumulation_steps
     grad_norm = None
+    objective.progress = step / tc.max_steps  # the hybrid objective's ramp (train/objective.py)
     for m in range(accum):
         batch = to_device(next(batches), run.device)
         k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
@@ -296,6 +298,9 @@ def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
     ds_engine.eval()
     metrics = {"step": step, "train_loss": record["loss"], "tokens_seen": record["tokens_seen"]}
     metrics["heldout"] = objective.offline_metrics(heldout) if heldout else {"note": "no heldout split"}
+    if heldout and recipe.train.heldout_chain_positions:  # the T=0 chain as decoding drafts it (eval/chain_tau.py)
+        metrics["heldout"].update(heldout_chain_tau(draft_kind, objective.head, objective.parts, heldout,
+                                                    recipe.eval.k, recipe.train.heldout_chain_positions))
     ds_engine.train()
     own = _gathered_own_state(ds_engine, draft_kind, objective.head)
     config = {**run.meta, "config": draft_kind.checkpoint_config(objective.head), "step": step}
