@@ -38,13 +38,21 @@ class Objective(objective.Objective):
             raise SpecdistillError("draft.kind medusa needs hidden_last in the cache (cache.store)")
         parts = self.parts
         f = batch["hidden_last"].to(parts.lm_head.weight.dtype)
-        T = f.shape[1]
+        B, T = f.shape[:2]
+        heads = head_positions(batch, self.head.config.num_heads)
+        # The target's distribution of token t+2+k is its LM head over f[t+1+k]: the heads share those rows, so
+        # the (full-vocabulary) target logits are computed once per needed row and indexed per head.
+        needed = torch.zeros(B, T, dtype=torch.bool, device=f.device)
+        for k, c in enumerate(heads):
+            needed[:, 1 + k:] |= c[:, :T - 1 - k]
+        row = torch.full((B, T), -1, dtype=torch.long, device=f.device)
+        row[needed] = torch.arange(int(needed.sum()), device=f.device)
+        with torch.no_grad():
+            p_rows = target_logits_from_hidden(parts.config, parts.lm_head, f[needed])
         steps = []
-        for k, c in enumerate(head_positions(batch, self.head.config.num_heads)):
-            q = self.head.head_logits(f[c], k)
-            with torch.no_grad():  # the target's distribution of token t+2+k: its LM head over f[t+1+k]
-                p = target_logits_from_hidden(parts.config, parts.lm_head, f[:, 1 + k:][c[:, :T - 1 - k]])
-            steps.append({"q_logits": q, "p_logits": p})
+        for k, c in enumerate(heads):
+            steps.append({"q_logits": self.head.head_logits(f[c], k),
+                          "p_logits": p_rows[row[:, 1 + k:][c[:, :T - 1 - k]]]})
         return {**steps[0], "steps": steps}
 
     def loss(self, pred: dict):
