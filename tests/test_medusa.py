@@ -155,7 +155,7 @@ def test_drafter_reads_the_last_committed_state(target, heads):
     for prefix, tokens in seen:
         with torch.no_grad():
             f = target(torch.tensor([prefix[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
-        assert tokens == head.logits(f).argmax(-1).tolist()[:len(tokens)]
+        assert tokens == [int(head.head_logits(f, k).argmax()) for k in range(len(tokens))]
 
 
 @pytest.mark.parametrize("head_name", ["random", "fit"])
@@ -191,7 +191,7 @@ def test_tree_nodes_are_each_heads_top_k(target, heads):
         hs = target(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[-1][0]
     n = len(PROMPTS[0]) + 1
     tree = decoder.stepper.drafter.draft(torch.tensor(PROMPTS[0] + [0]), n, hs, decoder.shape, 3)
-    top = head.logits(hs[-1]).topk(2, dim=-1).indices.tolist()
+    top = [head.head_logits(hs[-1], d).topk(2).indices.tolist() for d in range(3)]
     assert len(tree.tokens) == 2 + 4 + 8
     for token, depth in zip(tree.tokens, tree.depths):
         assert token in top[depth - 1]
