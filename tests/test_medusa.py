@@ -297,3 +297,21 @@ def test_checkpoint_round_trip_and_wrong_tensors(medusa_checkpoint):
     state.pop("blocks.2.layers.0.weight")
     with pytest.raises(SpecdistillError, match="missing \\['blocks.2.layers.0.weight'\\]"):
         medusa.load(medusa.checkpoint_config(head), state, target)
+
+
+@pytest.mark.parametrize("runtime_name", ["eager-fp32", "static-bf16"])
+def test_decoding_is_device_clean(runtime_name):
+    """Chain (T=0 and T=1) and tree drafting under device.strict_device(): every tensor the Medusa drafter makes
+    names its device (as tests/test_strict_device_eval.py checks for the other kinds)."""
+    from specdistill import device
+    from specdistill.eval.runtime import make_runtime
+
+    runtime = make_runtime(llama(V, seed=0), runtime_name)
+    head = medusa_for(runtime.model)
+    with device.strict_device():
+        chain = SpeculativeDecoder(runtime, head, k=3)
+        greedy = chain.decode(PROMPTS[0], 10)
+        sampled = chain.decode(PROMPTS[0], 10, 1.0, device.generator(runtime.device, 0))
+        tree = TreeDecoder(runtime, head, TREES["dynamic"]).decode(PROMPTS[0], 10)
+        plain = SpeculativeDecoder(runtime, None).decode(PROMPTS[0], 10)
+    assert greedy.tokens == tree.tokens == plain.tokens and len(sampled.tokens) == 10

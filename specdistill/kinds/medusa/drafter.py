@@ -36,13 +36,13 @@ class MedusaDrafter:
     def propose(self, seq, n, new_features, k, temperature, generator):
         f = self.state(new_features)
         if f is None or k == 0:
-            return stack_draws([], [])
+            return stack_draws([], [], seq.device)
         tokens, qs = [], []
         for logits in self.head.logits(f, heads=k):  # min(k, num_heads) heads
             tok, q = pick(logits, temperature, generator)
             tokens.append(tok)
             qs.append(q)
-        return stack_draws(tokens, qs)
+        return stack_draws(tokens, qs, seq.device)
 
     def tree_drafter(self) -> "MedusaTreeDrafter":
         return MedusaTreeDrafter(self)
