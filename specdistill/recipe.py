@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from specdistill import metrics
 from specdistill.errors import SpecdistillError
-from specdistill.kinds import draft_lm, eagle, eagle3
+from specdistill.kinds import draft_lm, eagle, eagle3, medusa
 from specdistill.layout import REPO_ROOT
 from specdistill.section import Section
 
@@ -79,8 +79,8 @@ class CacheConfig(Section):
 
 
 # The draft section: one schema per kind (specdistill/kinds/), chosen by `kind`; keys of another kind are refused.
-DraftConfig = Annotated[eagle.Config | eagle3.Config | draft_lm.Config, Field(discriminator="kind")]
-KIND_NAMES = (eagle.NAME, eagle3.NAME, draft_lm.NAME)
+DraftConfig = Annotated[eagle.Config | eagle3.Config | medusa.Config | draft_lm.Config, Field(discriminator="kind")]
+KIND_NAMES = (eagle.NAME, eagle3.NAME, medusa.NAME, draft_lm.NAME)
 LoraConfig = draft_lm.LoraConfig
 
 
@@ -205,7 +205,7 @@ class EvalConfig(Section):
 
 
 class ExportConfig(Section):
-    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "hf"]] | None = None
+    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "vllm-medusa", "hf"]] | None = None
     num_speculative_tokens: int | None = None
 
 

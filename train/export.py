@@ -113,7 +113,9 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if fmt == "vllm-eagle":
+        if hasattr(kind, "write_export"):  # a kind package that writes its own formats (specdistill/kinds/medusa/)
+            kind.write_export(fmt, step_dir, draft_cfg, target_config, tmp, speculative_tokens(recipe, step_dir))
+        elif fmt == "vllm-eagle":
             write_vllm_eagle(step_dir, draft_cfg, target_config, tmp)
         elif fmt in ("vllm-eagle3", "speculators"):
             write_eagle3(step_dir, draft_cfg, recipe, target_config, fmt, tmp, speculative_tokens(recipe, step_dir))
@@ -416,7 +418,8 @@ def speculative_tokens(recipe, step_dir: Path, why: bool = False):
 
 
 def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
-    spec = {"method": VLLM_METHOD[fmt], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
+    method = VLLM_METHOD.get(fmt) or kinds.kind_of_format(fmt).VLLM_METHODS[fmt]  # a kind package names its own
+    spec = {"method": method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
     return f"vllm serve {resolve_target(recipe.target)} --speculative-config '{json.dumps(spec)}'"
 
 
