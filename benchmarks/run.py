@@ -1,7 +1,8 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
-Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime).
-After each, its peak memory (device.peak_memory: this process's resident set, and the GPU's on CUDA).
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime;
+`make bench ARGS="scaling [--fractions ...] [overrides]"` only when named). After each, its peak memory
+(device.peak_memory: this process's resident set, and the GPU's on CUDA).
 """
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ BENCHES = {
     "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
     "runtime": "benchmarks.runtime_bench", # v(M), d, plain decoding per runtime vs eager-fp32
+    "scaling": "benchmarks.scaling_bench", # complete runs at several data sizes: tau against tokens (hours)
 }
+LONG = {"scaling"}  # run only when named; it takes its own arguments (the rest of the line)
 
 
 def main(argv: list[str]) -> int:
-    chosen = argv or list(BENCHES)
+    if argv and argv[0] in LONG:
+        importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+        return 0
+    chosen = argv or [b for b in BENCHES if b not in LONG]
     where = device.resolve("auto")
     peaks = {}
     for name in chosen:

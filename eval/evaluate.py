@@ -16,14 +16,14 @@ import torch
 from tqdm import tqdm
 
 from specdistill import device as devices
-from specdistill import kinds, layout, metrics
+from specdistill import integrity, kinds, layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import comparators
+from specdistill.eval import chain_tau, comparators
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.tree import TreeDecoder
-from specdistill.formats import checkpoint_fingerprint, read_draft_config, read_metrics, write_eval
+from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, read_metrics, write_eval
 from specdistill.target import load_target, load_target_config, load_tokenizer
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
@@ -447,7 +447,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
     coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
-    offline = {"heldout": heldout, "prompts": offline_prompts}
+    offline = {"heldout": heldout, "prompts": offline_prompts,
+               "chain_on_continuations": chain_tau.on_continuations(decoders.chain, [p.ids for p in prompts],
+                                                                    greedy_outputs, cfg.k, cfg.max_new_tokens)}
     if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
         t = min(sampled_outputs)
         offline["prompts_sampled"] = offline_on_prompts(
@@ -495,6 +497,8 @@ def summary_line(report: dict, r: dict) -> str:
 def run(recipe, args) -> list[Path]:
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = select_checkpoints(recipe.run_dir, which)
+    for step_dir in steps:  # before minutes of loading: a corrupt checkpoint is refused with one line
+        integrity.check_checkpoint(step_dir, only=DRAFT_FILES)
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))

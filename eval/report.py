@@ -107,9 +107,14 @@ def short_label(e: dict, many_runs: bool) -> str:
 
 
 def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
-    """The held-out simulated tau (metrics.md) at the eval's K, from the per-depth acceptance training measured
-    (T=0: top1_at, T>0: alpha_at); depths past the unrolled ones repeat the deepest. None when not measured."""
+    """The held-out simulated tau at the eval's K: at T=0 the replayed chain (`chain_tau`) where training
+    measured it at that K; else the product formula (metrics.md) of the per-depth acceptance training measured
+    (T=0: top1_at, T>0: alpha_at; depths past the unrolled ones repeat the deepest). None when not measured."""
     held = (e.get("offline") or {}).get("heldout") or {}
+    chain = (held.get("chain_tau") or {}).get("0")
+    k_eval = k if k is not None else e.get("k")
+    if temperature == 0 and chain is not None and (k_eval is None or int(k_eval) == held.get("chain_k")):
+        return chain  # the chain replayed as decoding drafts it (eval/chain_tau.py), where training measured it
     per_depth = held.get("top1_at" if temperature == 0 else "alpha_at")
     if not per_depth:
         return None
@@ -217,8 +222,10 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
         header.append(f"pred α (prompts, sampled cont.){column_label(evals, 'prompts_sampled', 'predicted_alpha')}")
     for t in temps:
         T = num(t, 1)
-        header += [f"α₁ T={T} (first draft)", f"α T={T} (pooled) [95% CI]", f"τ T={T} [95% CI]",
-                   f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]", f"lossless T={T}"]
+        header += [f"α₁ T={T} (first draft)", f"α T={T} (pooled) [95% CI]", f"τ T={T} [95% CI]"]
+        if t == 0:  # beside the measured τ: the chain replayed on the target's own continuations (eval/chain_tau.py)
+            header.append("sim. τ T=0 (continuations)")
+        header += [f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]", f"lossless T={T}"]
     rows = []
     for e in evals:
         row = [label(e, many_runs), str(e["step"])]
@@ -231,8 +238,10 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
             if r.get("lossless_vs_transformers") is not None:
                 lossless += f"; vs generate(): {num(r['lossless_vs_transformers'])}"
             first = (r.get("alpha_at") or [None])[0]
-            row += [num(first), num(r.get("alpha")) + ci(r, "alpha"), num(r.get("tau")) + ci(r, "tau"),
-                    num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2), lossless]
+            row += [num(first), num(r.get("alpha")) + ci(r, "alpha"), num(r.get("tau")) + ci(r, "tau")]
+            if t == 0:
+                row.append(num(((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau")))
+            row += [num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2), lossless]
         rows.append(row)
     return table(header, rows)
 
@@ -408,7 +417,8 @@ def scaling_points(name: str, evals: list[dict], run_dir: Path | None = None) ->
         metrics = read_checkpoint_metrics(step_dir) or {}
         if metrics.get("tokens_seen") is not None:
             pt["tokens_seen"] = metrics["tokens_seen"]
-        if isinstance(metrics.get("heldout"), dict) and metrics["heldout"].get("top1_at"):
+        if isinstance(metrics.get("heldout"), dict) and (metrics["heldout"].get("top1_at")
+                                                         or metrics["heldout"].get("chain_tau")):
             pt["heldout"] = metrics["heldout"]
     out = []
     for pt in points.values():
@@ -534,7 +544,7 @@ def scaling_section(points: list[dict], fits: list[dict], many_runs: bool, figur
                    f"train/loop.py recorded it in metrics.json): left out of the plot and the fits: {names}. "
                    "Retrain (or train on) to record it.")
     return f"""## How much data buys how much τ
-Every checkpoint's held-out simulated τ (1 + Σₖ Πᵢ≤ₖ top1_atᵢ at the run's eval K, from its metrics.json) and
+Every checkpoint's held-out simulated τ (the T=0 chain replayed at the run's eval K, `chain_tau`; checkpoints trained before it was measured: 1 + Σₖ Πᵢ≤ₖ top1_atᵢ, optimistic; from its metrics.json) and
 measured τ (real chain decoding at T=0 on the eval prompts, eval K) against the training tokens it had seen
 (`tokens_seen`: cumulative non-pad tokens over all ranks). Per series, a least-squares fit of the saturating
 curve τ(N) = τ∞ − c·N^(−b) (τ∞ ≥ 1, c ≥ 0, b > 0). **Beyond the largest N seen the curve is an extrapolation**

@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from specdistill.errors import SpecdistillError
+from specdistill.errors import Preempted, SpecdistillError
 
 # stage -> (module, one-line help, extra arguments)
 STAGES = {
@@ -28,9 +28,15 @@ STAGES = {
                [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
                 ("--format", dict(default=None, help="vllm-eagle, vllm-eagle3, speculators or hf (default: the recipe's)"))]),
     "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
+    "verify": ("specdistill.verify_stage", "check a run's cache, checkpoints and exports against their checksums; "
+               "name every bad file",
+               [("--full", dict(action="store_true", help="hash every byte of the cache (default: sizes, headers and "
+                                                            "a sample of the data, as cache.verify: sample)"))]),
 }
 # Stages that accept --restart (start the run over instead of refusing changed settings).
 RESTARTABLE = {"train"}
+# Stages that write into a run: one at a time per run and stage (specdistill/runlock.py).
+ONE_WRITER = {"train", "eval"}
 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
@@ -87,8 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         module = importlib.import_module(STAGES[args.stage][0])
         # SPECDISTILL_STRICT_DEVICE=1 (make gpu-check): a tensor made without device= stops the stage, naming file:line
-        with device.strict_device() if device.strict_from_env() else contextlib.nullcontext():
+        strict = device.strict_device() if device.strict_from_env() else contextlib.nullcontext()
+        if args.stage in ONE_WRITER:
+            from specdistill import runlock
+
+            lock = runlock.hold(recipe.run_dir, args.stage)
+        else:
+            lock = contextlib.nullcontext()
+        with lock, strict:
             module.run(recipe, args)
+    except Preempted as e:  # stopped on request after saving: not an error, but not done either
+        print(f"specdistill {args.stage}: {e}", file=sys.stderr)
+        return Preempted.EXIT_CODE
     except SpecdistillError as e:
         print(f"specdistill {args.stage}: error: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdistill import faults, integrity
 from specdistill.errors import SpecdistillError
 
 
@@ -29,7 +30,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError as e:  # disk full: the old file stays whole, no temp file is left
+        tmp.unlink(missing_ok=True)
+        raise SpecdistillError(faults.write_failed(path, e, "the previous version is kept; rerun once there is room")) from None
     os.replace(tmp, path)
 
 
@@ -71,37 +76,39 @@ def shard_name(i: int) -> str:
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """One cache shard (whole sequences on a flat token axis, with `seq_lens`), written under a temp name
-    and renamed; returns its manifest entry."""
+    and renamed; returns its manifest entry (with the checksums integrity.py reads back). A failed write
+    (disk full) leaves no temp file behind and stops with one line."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
+    try:
+        faults.point("shard", int(path.stem.rsplit("-", 1)[-1]))
+        save_file(tensors, str(tmp))
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise SpecdistillError(faults.write_failed(path, e, "rerun `specdistill cache` once there is room: it "
+                                                   "resumes after the last complete shard")) from None
     os.replace(tmp, path)
     return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
-            "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            "tokens": int(tensors["input_ids"].numel()), **integrity.file_digest(path)}
 
 
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---- checkpoint ---------------------------------------------------------------------------------------
 
 def write_checkpoint(step_dir: Path, own_state: dict[str, torch.Tensor], draft_config: dict, metrics: dict) -> None:
-    """The draft's files of a checkpoint, COMPLETE last. draft_config: {kind, config (the draft's own
-    config dict), step, ...}; metrics: {step, heldout: {...}, ...}."""
+    """The draft's files of a checkpoint, COMPLETE last: it records the size and sha256 of every file in
+    step_dir (DeepSpeed's ds/ included when it was written first), which readers check before trusting
+    the checkpoint. draft_config: {kind, config (the draft's own config dict), step, ...}; metrics:
+    {step, heldout: {...}, ...}."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in own_state.items()}, str(step_dir / "draft.safetensors"))
     write_json_atomic(step_dir / "draft_config.json", draft_config)
     write_json_atomic(step_dir / "metrics.json", metrics)
-    (step_dir / "COMPLETE").write_text(f"{draft_config.get('step')}\n")
+    files = integrity.digest_tree(step_dir, skip=("COMPLETE",))
+    write_json_atomic(step_dir / "COMPLETE", {"step": draft_config.get("step"), "files": files})
 
 
 def read_draft_config(step_dir: Path) -> dict:
@@ -117,17 +124,21 @@ def read_draft_config(step_dir: Path) -> dict:
 
 
 def read_checkpoint(step_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(draft_config, the draft's own tensors) of a complete checkpoint."""
+    """(draft_config, the draft's own tensors) of a complete checkpoint whose draft files match their checksums."""
     step_dir = Path(step_dir)
     if not (step_dir / "COMPLETE").exists():
         raise SpecdistillError(f"{step_dir}: checkpoint is incomplete (no COMPLETE marker)")
+    integrity.check_checkpoint(step_dir, only=DRAFT_FILES)
     return read_draft_config(step_dir), load_file(str(step_dir / "draft.safetensors"))
+
+
+DRAFT_FILES = ("draft.safetensors", "draft_config.json", "metrics.json")  # what eval and export read
 
 
 def checkpoint_fingerprint(step_dir: Path) -> str:
     """sha256 (16 hex) of what defines a checkpoint: its weights, its config and its offline metrics."""
     h = hashlib.sha256()
-    for name in ("draft.safetensors", "draft_config.json", "metrics.json"):
+    for name in DRAFT_FILES:
         f = Path(step_dir) / name
         h.update(name.encode())
         if f.is_file():

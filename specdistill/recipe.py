@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from specdistill import metrics
 from specdistill.errors import SpecdistillError
-from specdistill.kinds import draft_lm, eagle, eagle3
+from specdistill.kinds import draft_lm, eagle, eagle3, medusa
 from specdistill.layout import REPO_ROOT
 from specdistill.section import Section
 
@@ -39,6 +39,9 @@ class CorpusConfig(Section):
     hub_split: str = "train"
     max_rows: int | None = Field(None, ge=1)
     max_length: int = Field(1024, ge=8)
+    truncate: Literal["right", "left"] = Field("right", description="a row longer than max_length: keep its first "
+                                               "max_length tokens (right), or cut a long prompt from the left so the "
+                                               "first reply token sits at max_length // 2 (left; data/prepare.py)")
     pack: bool = False
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     on_bad_row: Literal["error", "skip"] = Field("error", description="a malformed row or a conversation whose "
@@ -60,6 +63,10 @@ class CacheConfig(Section):
     topk: int = Field(32, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     shard_tokens: int = Field(65536, ge=16)
+    verify: Literal["sample", "full", "none"] = Field(
+        "sample", description="how a cache is checked against its checksums when it is reused and when training opens "
+                              "it: sizes and safetensors headers always; the data in full, or by a random 1/64 of it "
+                              "(all of a cache under 256 MiB), or not (specdistill/integrity.py)")
     batch_tokens: int = Field(4096, ge=16)
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
@@ -72,8 +79,8 @@ class CacheConfig(Section):
 
 
 # The draft section: one schema per kind (specdistill/kinds/), chosen by `kind`; keys of another kind are refused.
-DraftConfig = Annotated[eagle.Config | eagle3.Config | draft_lm.Config, Field(discriminator="kind")]
-KIND_NAMES = (eagle.NAME, eagle3.NAME, draft_lm.NAME)
+DraftConfig = Annotated[eagle.Config | eagle3.Config | medusa.Config | draft_lm.Config, Field(discriminator="kind")]
+KIND_NAMES = (eagle.NAME, eagle3.NAME, medusa.NAME, draft_lm.NAME)
 LoraConfig = draft_lm.LoraConfig
 
 
@@ -87,6 +94,14 @@ class LossConfig(Section):
     distribution_sample: float = Field(1.0, gt=0.0, le=1.0,
                                        description="eagle: share of positions that pay for the full-vocabulary distribution loss")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight decay**s of unroll step s")
+    acceptance_weight: float = Field(0.0, ge=0.0, le=1.0, description="hybrid objective: the loss becomes "
+                                     "(1 - w) * terms + w * tvd (1 - the T=1 acceptance), w ramped linearly from 0 "
+                                     "to this over the first acceptance_ramp of training (KL first); 0: off")
+    acceptance_ramp: float = Field(1.0, gt=0.0, le=1.0, description="share of train.max_steps over which the "
+                                   "acceptance weight ramps up")
+    ttt_wrong_weight: float = Field(1.0, ge=0.0, le=1.0, description="eagle3 (GRIFFIN-style): weight of an unrolled "
+                                    "step's position whose previous step predicted the wrong token (its input was "
+                                    "already off the target's path); 1: off")
 
 
 class TrainConfig(Section):
@@ -98,6 +113,9 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(4, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr: float = Field(3e-4, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw; or muon: DeepSpeed's Muon on the head's "
+                                                "matrices (not embeddings / lm_head) at muon_lr, AdamW at lr on the rest")
+    muon_lr: float = Field(0.02, gt=0, description="optimizer muon: the learning rate of the Muon half")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -108,6 +126,8 @@ class TrainConfig(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
+    heldout_chain_positions: int = Field(1024, ge=0, description="held-out positions at which each checkpoint's "
+                                         "chain of eval.k drafts is replayed (`chain_tau`, eval/chain_tau.py); 0: none")
     keep_last: int | None = Field(None, ge=1, description="keep the optimizer (DeepSpeed) state of the last N "
                                   "checkpoints only; older ones keep weights and metrics; None: keep all")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
@@ -185,7 +205,7 @@ class EvalConfig(Section):
 
 
 class ExportConfig(Section):
-    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "hf"]] | None = None
+    formats: list[Literal["vllm-eagle", "vllm-eagle3", "speculators", "vllm-medusa", "hf"]] | None = None
     num_speculative_tokens: int | None = None
 
 

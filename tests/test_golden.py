@@ -31,7 +31,8 @@ PROMPTS = [{"category": "math", "turns": ["What is 3 plus 4?"]},
            {"category": "writing", "turns": ["Write one line about the sea."]}]
 DRAFT = {"eagle": {"kind": "eagle", "init_layer_from_target": True},
          "eagle3": {"kind": "eagle3", "draft_vocab_size": 256, "ttt_steps": 2, "init_layer_from_target": True},
-         "draft_lm": {"kind": "draft_lm", "num_layers": 1, "copy_target_layers": True}}
+         "draft_lm": {"kind": "draft_lm", "num_layers": 1, "copy_target_layers": True},
+         "medusa": {"kind": "medusa", "num_heads": 3, "num_layers": 1, "head_decay": 0.8}}
 TREE = {"kind": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}
 
 
@@ -138,7 +139,7 @@ def assert_close(got, want, where: str = "") -> None:
         assert got == want, f"{where}: {got!r} != golden {want!r}"
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_lm"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_lm", "medusa"])
 def test_golden_numbers(kind, tmp_path, tiny_target_dir, monkeypatch, one_thread):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     got = observe(tmp_path, tiny_target_dir, kind)

@@ -41,9 +41,9 @@ from safetensors.torch import load_file, save_file
 
 from transformers import PretrainedConfig
 
-from specdistill import formats, kinds, layout
+from specdistill import formats, integrity, kinds, layout
 from specdistill.errors import SpecdistillError
-from specdistill.formats import checkpoint_fingerprint
+from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint
 from specdistill.target import fingerprint_target, load_target, load_target_config, load_tokenizer, resolve_target
 from specdistill.train.eagle import EagleHead, llama_layer_config
 
@@ -105,6 +105,7 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
         raise SpecdistillError(f"{step_dir}: format {fmt} exports '{fmt_kind.NAME}' drafts ({fmt_kind.LABEL}), "
                                f"this checkpoint is a '{kind.NAME}' draft (use --format {kind.EXPORT_FORMATS[0]})")
     check_same_target(recipe, step_dir, draft_cfg)
+    integrity.check_checkpoint(step_dir, only=DRAFT_FILES)  # a corrupt checkpoint is refused, not exported
     target_config = load_target_config(recipe.target)
 
     out = layout.export_dir(recipe.run_dir, fmt)
@@ -112,13 +113,16 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if fmt == "vllm-eagle":
+        if hasattr(kind, "write_export"):  # a kind package that writes its own formats (specdistill/kinds/medusa/)
+            kind.write_export(fmt, step_dir, draft_cfg, target_config, tmp, speculative_tokens(recipe, step_dir))
+        elif fmt == "vllm-eagle":
             write_vllm_eagle(step_dir, draft_cfg, target_config, tmp)
         elif fmt in ("vllm-eagle3", "speculators"):
             write_eagle3(step_dir, draft_cfg, recipe, target_config, fmt, tmp, speculative_tokens(recipe, step_dir))
         else:
             write_hf(step_dir, draft_cfg, recipe, target_config, tmp)
         write_readme(recipe, step_dir, draft_cfg, fmt, tmp, final_dir=out)
+        integrity.write_checksums(tmp)  # SHA256SUMS, read back by `specdistill verify` and by draft.init_from
         for f in tmp.iterdir():  # safetensors writes 0600; a serving process may run as another user
             f.chmod(0o644)
         replace_dir(tmp, out)
@@ -414,7 +418,8 @@ def speculative_tokens(recipe, step_dir: Path, why: bool = False):
 
 
 def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
-    spec = {"method": VLLM_METHOD[fmt], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
+    method = VLLM_METHOD.get(fmt) or kinds.kind_of_format(fmt).VLLM_METHODS[fmt]  # a kind package names its own
+    spec = {"method": method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
     return f"vllm serve {resolve_target(recipe.target)} --speculative-config '{json.dumps(spec)}'"
 
 

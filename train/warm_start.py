@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specdistill import integrity
 from specdistill.errors import SpecdistillError
 from specdistill.train.export import check_d2t, check_eagle_weights, scale_embedding_half
 
@@ -31,6 +32,7 @@ def read_released(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (d / "config.json").is_file():
         raise SpecdistillError(f"draft.init_from {path}: expected a directory with config.json and *.safetensors "
                                f"(a vllm-eagle, vllm-eagle3 or speculators head)")
+    integrity.check_export(d, "draft.init_from: ")  # an export of ours carries SHA256SUMS: a corrupt one is refused
     config = json.loads((d / "config.json").read_text())
     files = sorted(d.glob("*.safetensors"))
     if not files:

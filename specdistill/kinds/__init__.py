@@ -24,9 +24,9 @@ from pathlib import Path
 
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_checkpoint
-from specdistill.kinds import draft_lm, eagle, eagle3
+from specdistill.kinds import draft_lm, eagle, eagle3, medusa
 
-KINDS = {k.NAME: k for k in (eagle, eagle3, draft_lm)}  # draft_lm last: it owns any causal LM
+KINDS = {k.NAME: k for k in (eagle, eagle3, medusa, draft_lm)}  # draft_lm last: it owns any causal LM
 
 
 def kind(name: str):

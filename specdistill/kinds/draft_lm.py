@@ -29,6 +29,7 @@ from specdistill.train.objective import counted
 NAME = "draft_lm"
 LABEL = "draft LM"  # in messages and reports
 STORE = ["topk"]
+DRAFTER_READS = None  # its drafter reads no target states (eval/chain_tau.py)
 EXPORT_FORMATS = ("hf",)
 DRAFTS_TREES = False
 PROMPTS_FKL_NOTE = None

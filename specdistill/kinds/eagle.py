@@ -31,6 +31,7 @@ from specdistill.train.warm_start import warm_eagle
 NAME = "eagle"
 LABEL = "EAGLE-1"  # in messages and reports
 STORE = ["hidden_last"]
+DRAFTER_READS = "hidden_last"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = ("vllm-eagle",)
 DRAFTS_TREES = True
 PROMPTS_FKL_NOTE = None  # the head drafts over the target's whole vocabulary: fkl on the prompts is defined

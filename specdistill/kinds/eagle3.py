@@ -33,6 +33,7 @@ from specdistill.train.warm_start import released_eagle3_shape, warm_eagle3
 NAME = "eagle3"
 LABEL = "EAGLE-3"  # in messages and reports
 STORE = ["hidden_aux", "hidden_last"]
+DRAFTER_READS = "hidden_aux"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = ("vllm-eagle3", "speculators")
 DRAFTS_TREES = True
 PROMPTS_FKL_NOTE = "EAGLE-3 reduced draft vocabulary: fkl undefined (q = 0 outside it); tvd and top1 exact"
@@ -44,6 +45,8 @@ class Config(eagle.Config):
     kind: Literal["eagle3"]
     draft_vocab_size: int | None = Field(None, ge=16, description=f"default {DEFAULT_DRAFT_VOCAB} (at most the target's)")
     ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
+    freeze_lm_head: bool = Field(False, description="keep the readout (the target's LM-head rows of the draft "
+                                 "vocabulary, or draft.init_from's) as it starts: not trained")
 
 
 # ---- build, checkpoint ------------------------------------------------------------------------------
@@ -90,6 +93,7 @@ def build(recipe, parts, data=None) -> Eagle3Head:
             head.init_readout(parts.lm_head.weight, norm)
     if data is not None:
         head.set_aux_scale(aux_feature_std(data))
+    head.lm_head.requires_grad_(not cfg.freeze_lm_head)  # the loop trains what requires grad
     return head.bind_target(parts.embed)
 
 
@@ -153,16 +157,26 @@ class Objective(objective.Objective):
             with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
                 p = target_logits_from_hidden(parts.config, target_rows, last[:, 1 + s:][c[:, :T - 1 - s]])
             steps.append({"q_logits": q, "p_logits": p})
-        return {**steps[0], "steps": steps, "draft_ids": draft_ids,
+        return {**steps[0], "steps": steps, "counted_at": steps_at, "draft_ids": draft_ids,
                 "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
 
     def loss(self, pred: dict):
-        """Per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8)."""
+        """Per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8). With loss.ttt_wrong_weight < 1
+        (GRIFFIN-style), a position of step s >= 1 whose step s-1 predicted the wrong token (its input state was
+        already off the target's path) counts that much in step s's mean."""
         cfg = self.loss_cfg
         total, components, weights = 0.0, {}, 0.0
+        wrong = None  # [B, T]: step s-1's top-1 missed the target's at that start position
         for s, step in enumerate(pred["steps"]):
             log_p, log_q = losses.distribution_logprobs(step, cfg.temperature)
-            dist, _ = losses.mixed_loss(log_p, log_q, dict(cfg.terms), cfg.jsd_beta)
+            at = pred["counted_at"][s]
+            rows = None
+            if wrong is not None:
+                rows = torch.where(wrong[at], cfg.ttt_wrong_weight, 1.0)
+            dist, _ = self.distribution_loss(log_p, log_q, rows)
+            if cfg.ttt_wrong_weight < 1:
+                wrong = torch.zeros_like(at)
+                wrong[at] = log_q.argmax(-1) != log_p.argmax(-1)
             total = total + cfg.ttt_decay ** s * dist
             weights += cfg.ttt_decay ** s
             components[f"step{s}"] = dist.detach()
