@@ -263,7 +263,7 @@ def eagle3_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
     """d2t[i] = target id of draft token i minus i; the target ids must be sorted, distinct, in [0, V)."""
-    ids = torch.arange(len(d2t)) + d2t.long()
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t.long()
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab or not bool((ids[1:] > ids[:-1]).all())):
         raise SpecdistillError(f"{path}: d2t does not map draft ids to sorted, distinct target ids in [0, {vocab})")
     return ids
