@@ -10,6 +10,7 @@ from specdistill import kinds
 from specdistill.eval import chain_tau
 from specdistill.eval.engine import SpeculativeDecoder, merge_counts
 from tests.test_engine import eagle3_for, eagle_for, llama
+from tests.test_medusa import medusa_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,12 +24,13 @@ def target_model():
 
 def drafts(tgt):
     return {"draft_lm": llama(VOCAB, seed=4, layers=1, init=0.1), "eagle": eagle_for(tgt),
-            "eagle3": eagle3_for(tgt, [0, 1, 3, 4])}  # token 2 outside the draft vocabulary
+            "eagle3": eagle3_for(tgt, [0, 1, 3, 4]),  # token 2 outside the draft vocabulary
+            "medusa": medusa_for(tgt, heads=3, layers=1)}
 
 
 @pytest.mark.parametrize("eos", [(), (0,)], ids=["length", "eos"])
 @pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "eagle3", "medusa"])
 def test_simulated_tau_on_continuations_equals_measured_tau(kind, k, eos):
     tgt = target_model()
     draft = drafts(tgt)[kind]

@@ -5,6 +5,7 @@ Every kind module defines the same names, and the rest of the code asks the kind
   NAME            the recipe's `draft.kind`
   Config          its recipe section (a member of the discriminated union `draft` in specdistill/recipe.py)
   STORE           what the cache stage stores for it by default (`cache.store`)
+  DRAFTER_READS   the cached target states its drafter reads (hidden_last, hidden_aux, or None; eval/chain_tau.py)
   EXPORT_FORMATS  the export formats it offers, the default first (train/export.py writes them)
   DRAFTS_TREES    whether eval/tree.py can draft trees with it
   build(recipe, parts, data)       a fresh head/model from the target's parts and the cached train split
