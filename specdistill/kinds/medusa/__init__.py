@@ -24,11 +24,12 @@ from specdistill.target import check_same_vocab
 NAME = "medusa"
 LABEL = "Medusa"  # in messages and reports
 STORE = ["hidden_last"]
+DRAFTER_READS = "hidden_last"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = tuple(VLLM_METHODS)
 DRAFTS_TREES = True
 PROMPTS_FKL_NOTE = None  # the heads draft over the target's whole vocabulary: fkl on the prompts is defined
 
-__all__ = ["NAME", "LABEL", "STORE", "EXPORT_FORMATS", "DRAFTS_TREES", "PROMPTS_FKL_NOTE", "VLLM_METHODS", "Config",
+__all__ = ["NAME", "LABEL", "STORE", "DRAFTER_READS", "EXPORT_FORMATS", "DRAFTS_TREES", "PROMPTS_FKL_NOTE", "VLLM_METHODS", "Config",
            "Objective", "shapes", "build", "owns", "checkpoint_config", "own_state_dict", "load",
            "draft_vocabulary", "drafter", "prompt_logits", "write_export"]
 
