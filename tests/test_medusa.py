@@ -254,7 +254,7 @@ def test_vllm_medusa_matches_vllm_loader_table(medusa_checkpoint, capsys):
     recipe, target, head, step_dir = medusa_checkpoint
     export.run(recipe, argparse.Namespace(checkpoint=None, format=None))  # the kind's default format
     out = layout.export_dir(recipe.run_dir, "vllm-medusa")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "SHA256SUMS", "config.json", "model.safetensors"]
     with safe_open(out / "model.safetensors", "pt") as f:
         names = set(f.keys())
         assert names == set(VLLM_MEDUSA_TENSORS), (names ^ set(VLLM_MEDUSA_TENSORS))
