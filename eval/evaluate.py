@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from specdistill import kinds, layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import comparators
+from specdistill.eval import comparators, exactness
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import forward_costs, make_runtime, parse_runtime, resolve_runtime_name
@@ -415,6 +415,11 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
 
+    ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
+    exact = exactness.verify_rows_match(runtime, prompts[0].ids, ks) if prompts else None
+    if exact is not None and not exact["exact"]:
+        print(f"warning: {runtime.name} is not batch-invariant on this machine (a verify row differs from its 1-token "
+              f"forward: {exact['checks']}); T=0 decodes may diverge from plain decoding", flush=True)
     costs = measure_costs(runtime, prompts, cfg, tree)
     results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
     for temperature in recipe.temperatures:
@@ -479,6 +484,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "hardware": hardware(),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
+        "exactness_check": exact,
         "costs": costs,
         "eval_settings": eval_settings(recipe),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
