@@ -58,7 +58,7 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos) -> dic
     # A draft step as the engine times it: K drafted tokens after one verify (the head first runs the
     # target's features of the newly committed position), divided by K.
     decoder = SpeculativeDecoder(runtime, draft, k=DRAFT_K)
-    engine_draft, target = decoder.draft, decoder.target
+    engine_draft, target = decoder.drafter, decoder.target
     seq = torch.cat([ids, torch.zeros(DRAFT_K + 1, dtype=torch.long)])
     target.reset(PREFIX + 64)
     engine_draft.reset(PREFIX + 64)
@@ -88,8 +88,11 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos) -> dic
             "hf_generate_tokens_per_s": hf_tps}
 
 
-def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml") -> dict:
-    recipe = load_recipe(recipe_path)
+def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = False) -> dict:
+    global PREFIX, REPEATS, DECODE_TOKENS
+    if toy:  # proves the benchmark runs; measures nothing (and writes no result)
+        PREFIX, REPEATS, DECODE_TOKENS = 16, 1, 4
+    recipe = load_recipe(recipe_path, ["run_name=bench-toy"] if toy else [])
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     ids = _prefix_ids(prompts)
@@ -112,6 +115,8 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml") -> dict:
         print(f"{name:12} {f['1']:7.1f} {f['5']:7.1f} {f['9']:7.1f} {v['4']:5.2f} {v['5']:5.2f} {v['9']:5.2f} "
               f"{r['draft_step_ms']:8.2f} {r['d']:5.3f} {r['ar_tokens_per_s']:8.1f} "
               f"{r['ar_tokens_per_s'] / ref['ar_tokens_per_s']:15.2f}x {r['hf_generate_tokens_per_s']:8.1f}")
+    if toy:
+        return report
     out = CHECKPOINTS / "bench" / "runtime.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

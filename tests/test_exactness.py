@@ -22,10 +22,11 @@ from scipy.stats import chisquare
 from specdistill.eval import engine, sampling
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import StaticRuntime, make_runtime
+from specdistill.eval.tree import TreeDecoder
 from tests.test_engine import JOINT_K, JOINT_TOKENS, JOINT_VOCAB, joint_case
 
 RUNTIME = "static-bf16"  # what eval.runtime `auto` resolves to for the default target
-RUNS = 1500
+RUNS = 1000  # a wrong temperature (the subtlest wrong rule here) gives p ~ 5e-4 already at 500
 PROMPT = [1, 4, 2, 3]
 
 
@@ -45,14 +46,18 @@ def runtime_joint(runtime, prompt, vocab: int, temperature: float, length: int) 
     return joint
 
 
-def joint_test(kind: str, temperature: float, runs: int = RUNS) -> tuple[float, list[int]]:
-    """Chi-square p-value of the engine's 3-token joint through the default runtime, and accepted per depth."""
+def joint_test(kind: str, temperature: float, runs: int = RUNS, tree: bool = False) -> tuple[float, list[int]]:
+    """Chi-square p-value of the engine's 3-token joint through the default runtime, and accepted per depth.
+    tree: decode with the tree decoder (depth K) instead of the chain, as the eval does with eval.tree."""
     tgt, draft = joint_case(kind)
     runtime = make_runtime(tgt, RUNTIME)
-    decoder = SpeculativeDecoder(runtime, draft, k=JOINT_K)
+    if tree:
+        decoder = TreeDecoder(runtime, draft, {"kind": "static", "depth": JOINT_K, "top_k": 2})
+    else:
+        decoder = SpeculativeDecoder(runtime, draft, k=JOINT_K)
+        if kind == "eagle3":
+            assert decoder.drafter.static is not None  # the static drafting forward, as in the eval
     assert isinstance(runtime, StaticRuntime) and runtime.dtype == torch.bfloat16
-    if kind == "eagle3":
-        assert decoder.drafter.static is not None  # the static drafting forward, as in the eval
     counts = torch.zeros(JOINT_VOCAB ** JOINT_TOKENS, dtype=torch.float64)
     accepted = [0] * JOINT_K
     with torch.inference_mode():
@@ -101,8 +106,10 @@ def temperature_ignored(logits, temperature):
 WRONG = {"acceptance": (sampling, "accept_mask", accept_by_p_only),
          "residual": (sampling, "residual", residual_is_p),
          "temperature": (engine, "probs_from_logits", temperature_ignored)}
-CASES = [(kind, t, wrong) for kind in KINDS for t in TEMPERATURES for wrong in WRONG
-         if not (wrong == "temperature" and t == 1.0)]  # at T = 1 an ignored temperature is the right one
+# The default path (EAGLE-3, static drafter) with every wrong rule at both temperatures (at T = 1 an ignored
+# temperature is the right one); the other kinds with each wrong rule at T = 0.7.
+CASES = [("eagle3", t, wrong) for t in TEMPERATURES for wrong in WRONG if not (wrong == "temperature" and t == 1.0)]
+CASES += [(kind, 0.7, wrong) for kind in KINDS[1:] for wrong in WRONG]
 
 
 @pytest.mark.parametrize("kind, temperature, wrong", CASES)
@@ -111,6 +118,13 @@ def test_the_same_test_rejects_a_wrong_rule(monkeypatch, kind, temperature, wron
     monkeypatch.setattr(module, name, rule)
     pvalue, _ = joint_test(kind, temperature)
     assert pvalue < 1e-3, (kind, temperature, wrong, pvalue)
+
+
+def test_tree_decoder_at_t07_follows_the_target():
+    """The tree decoder at T = 0.7 (it samples through the exact chain) on the default runtime."""
+    pvalue, accepted = joint_test("eagle3", 0.7, tree=True)
+    assert accepted[1] > 0
+    assert pvalue > 1e-3, pvalue
 
 
 # ----------------------------------------------------------------------------- T = 0, the real target's shape
