@@ -229,7 +229,8 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
     for t in temps:
         T = num(t, 1)
         header += [f"α₁ T={T} (first draft)", f"α T={T} (pooled) [95% CI]", f"τ T={T} [95% CI]",
-                   f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]", f"lossless T={T}"]
+                   f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]",
+                   f"speedup vs fastest plain T={T} (ours or generate())", f"lossless T={T}"]
     rows = []
     for e in evals:
         row = [label(e, many_runs), str(e["step"])]
@@ -243,7 +244,9 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
                 lossless += f"; vs generate(): {num(r['lossless_vs_transformers'])}"
             first = (r.get("alpha_at") or [None])[0]
             row += [num(first), num(r.get("alpha")) + ci(r, "alpha"), num(r.get("tau")) + ci(r, "tau"),
-                    num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2), lossless]
+                    num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2),
+                    num(r.get("speedup_vs_fastest_plain"), 2)
+                    + (f" (vs {r['fastest_plain']})" if r.get("fastest_plain") else ""), lossless]
         rows.append(row)
     return table(header, rows)
 

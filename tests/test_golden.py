@@ -3,9 +3,9 @@ steps -> eval of 2 prompts on a tiny random Llama target, whose losses, held-out
 metrics, decoded tokens, counters and tau are pinned to float tolerance. A refactor must leave them as they are.
 
 The first three cases run in fp32 (`static-fp32`, fkl + tvd). The `*-bf16` cases run what `make distill` runs:
-a bf16 target, cache and training, the `static-bf16` runtime, fkl + argmax_ce; their target has a wider init
-so that greedy decodes accept drafts and T=1 decodes reject some (a correction drawn from the residual),
-which the test checks before it compares a number.
+a bf16 target, cache and training, the `static-bf16` runtime, fkl + argmax_ce, on a target with a wider init;
+in `draft_lm-bf16` greedy decodes accept drafts and T=1 decodes reject some (a correction drawn from the
+residual), which the test checks before it compares a number.
 
 Every setting the numbers depend on is written out here (not left to the recipe's defaults), so a change of a
 default moves no golden number. To regenerate after an intended change of behaviour:
@@ -46,8 +46,10 @@ BF16 = {"target": "bfloat16", "cache": "bfloat16", "precision": "bf16", "runtime
 # case -> (draft kind, precision settings, target)
 CASES = {"eagle": ("eagle", FP32, "tiny"), "eagle3": ("eagle3", FP32, "tiny"), "draft_lm": ("draft_lm", FP32, "tiny"),
          "eagle3-bf16": ("eagle3", BF16, "wide"), "draft_lm-bf16": ("draft_lm", BF16, "wide")}
-# the bf16 draft LM is the target's two layers copied: it accepts often, yet not always at T=1
+# the bf16 draft LM is the target's two layers copied: it accepts often, yet not always at T=1 (the EAGLE-3 head
+# after 3 steps accepts nothing at T=0: its case pins the default's training, static drafter and runtime)
 DRAFT["draft_lm-bf16"] = {"kind": "draft_lm", "num_layers": 2, "copy_target_layers": True}
+EXERCISES_THE_RULE = {"draft_lm-bf16"}
 
 
 def write_recipe(tmp_path: Path, target_dir: Path, case: str) -> Path:
@@ -85,7 +87,8 @@ def numbers(tree) -> object:
                 if not isinstance(v, str) and not k.endswith(("_s", "_ms", "per_s", "per_token", "per_verify",
                                                               "per_draft_step", "speedup", "ci95", "forward_ms"))
                 and k not in ("speedup_by_k", "predicted_speedup_by_k", "d", "costs", "hardware", "tokens_per_s",
-                              "baseline_tokens_per_s", "per_category", "best_k", "divergences")}
+                              "baseline_tokens_per_s", "per_category", "best_k", "divergences",
+                              "speedup_vs_fastest_plain", "ci95_by_k", "tuning_speedup_by_k", "transformers_divergences")}
     if isinstance(tree, list):
         return [numbers(v) for v in tree]
     return tree
@@ -185,7 +188,7 @@ def test_golden_numbers(case, tmp_path, tiny_target_dir, wide_target_dir, monkey
     target_dir = {"tiny": tiny_target_dir, "wide": wide_target_dir}[CASES[case][2]]
     got = observe(tmp_path, target_dir, case)
     got = json.loads(json.dumps(got))  # the same types a JSON round trip gives the golden file
-    if CASES[case][1] is BF16:
+    if case in EXERCISES_THE_RULE:
         check_decodes_exercise_the_rule(case, got["decodes"])
     if WRITE:
         golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
