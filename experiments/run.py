@@ -70,7 +70,7 @@ RUNNERS = {"exactness": run_exactness, "pipeline": run_pipeline, "bench": run_be
 
 def main(name: str) -> Path:
     exp = load(name)
-    started = time.time()
+    started, code_version = time.time(), provenance.git_commit()  # the code as it was when the run started
     results, rows = RUNNERS[exp.runner](exp)
     out = RECORDS / f"{name}.json"
     previous = json.loads(out.read_text()) if out.exists() else None
@@ -79,7 +79,7 @@ def main(name: str) -> Path:
         "provenance": f"run by `{exp.command}` on {time.strftime('%Y-%m-%d', time.gmtime(started))}",
         "settings": {arm: recipe_dump(pinned_recipe(exp, arm)) for arm in exp.arms},
         "fingerprints": {"decode_code": provenance.code_fingerprint()},
-        "hardware": device.hardware(torch.device("cpu")), "code_version": provenance.git_commit(),
+        "hardware": device.hardware(torch.device("cpu")), "code_version": code_version,
         "seconds": round(time.time() - started, 1), "results": results,
         "table": {"columns": exp.columns, "rows": rows} if rows is not None else (previous or {}).get("table"),
     }
