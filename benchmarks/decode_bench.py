@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from specdistill import device as devices
 from specdistill import kinds, layout
 from specdistill.eval import evaluate
 from specdistill.eval.prompts import load_prompts
@@ -27,7 +28,7 @@ def _draft_for(recipe, target):
           "(acceptance will be near zero; this measures the engine's overhead)", flush=True)
     torch.manual_seed(0)
     draft = kinds.kind(recipe.draft.kind).build(recipe, parts_of(target, resolve_target(recipe.target)))
-    return draft.eval().requires_grad_(False), "untrained", None
+    return draft.to(target.device).eval().requires_grad_(False), "untrained", None
 
 
 TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "run_name=bench-toy"]
@@ -35,7 +36,7 @@ TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "run_na
 
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = (), toy: bool = False) -> dict:
     recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *(TOY if toy else []), *overrides])
-    target = load_target(recipe.target)
+    target = load_target(recipe.target, device=devices.resolve(recipe.device))
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     draft, name, step = _draft_for(recipe, target)
@@ -44,7 +45,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     hw = report["hardware"]
     print(f"target {recipe.target.path}, draft {recipe.draft.kind} ({name}), prompts {recipe.eval.prompts} "
           f"(n={len(prompts)}), max_new_tokens {recipe.eval.max_new_tokens}, K={recipe.eval.k}, "
-          f"{hw['cpu']}, {hw['threads']} threads")
+          f"{hw['device']} ({hw.get('gpu') or hw['cpu']}), {hw['threads']} threads")
     for r in report["results"]:
         print(evaluate.summary_line(report, r))
         print(f"  time split: draft {r['ms_per_draft_step']:.2f} ms/draft step, verify {r['ms_per_verify']:.2f} ms "

@@ -1,120 +1,145 @@
 """Runtime benchmark: what a forward over M new tokens and a draft step cost in each runtime, in one run.
 
 For the default target and the default head kind (the recipe's last checkpoint, or an untrained head of
-the same shape: a draft step's cost does not depend on its weights), in every runtime of eval/runtime.py:
-ms for M = 1..9 new tokens after a 256-token cached prefix, v(M) = ms(M) / ms(1), ms per draft step and
-d = draft step / ms(1), plain decoding tokens/s through our engine, and transformers' generate() tokens/s
-with the same weights in the same dtype. `eager-fp32` (transformers' forward in float32, the runtime
-before eval/runtime.py existed) is the reference every ratio is taken against.
+the same shape: a draft step's cost does not depend on its weights), in every runtime of eval/runtime.py,
+on the recipe's device: ms for M = 1..9 new tokens after a 256-token cached prefix, v(M) = ms(M) / ms(1),
+ms per draft step and d = draft step / ms(1), plain decoding tokens/s through our engine, whether
+speculative decoding at T=0 (K=4) is token-identical to plain decoding in that runtime, and
+transformers' generate() tokens/s with the same weights in the same dtype. `compiled-bf16` is the static
+runtime under torch.compile: its compile time is measured apart (the first compiled forward) and kept out
+of every per-token figure. `eager-fp32` (transformers' forward in float32, the runtime before
+eval/runtime.py existed) is the reference every ratio is taken against. Timers wait for the device.
 Writes checkpoints/bench/runtime.json. `make bench ARGS=runtime`.
 """
 from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import torch
 
 from benchmarks.decode_bench import _draft_for
+from specdistill import device as devices
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import forward_costs, make_runtime, resolve_runtime_name
 from specdistill.recipe import CHECKPOINTS, load_recipe
 from specdistill.target import load_target, load_tokenizer
 
-RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", "static-bf16"]
+RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", "static-bf16", "compiled-bf16"]
 PREFIX = 256
 REPEATS = 15
 DECODE_TOKENS = 64
 DRAFT_K = 4
 
 
-def _median_ms(fn, repeats: int = REPEATS) -> float:
+def _median_ms(fn, now, repeats: int = REPEATS) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return 1000 * statistics.median(times)
 
 
-def _prefix_ids(prompts) -> torch.Tensor:
+def _prefix_ids(prompts, device) -> torch.Tensor:
     """Real text: MT-bench prompts back to back, cut to PREFIX + 16 tokens."""
     ids = [t for p in prompts for t in p.ids]
     while len(ids) < PREFIX + 16:
         ids = ids + ids
-    return torch.tensor(ids[:PREFIX + 16])
+    return torch.tensor(ids[:PREFIX + 16], device=device)
 
 
 @torch.inference_mode()
-def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos) -> dict:
-    model = load_target(recipe.target)
+def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device) -> dict:
+    now = devices.clock(device)
+    model = load_target(recipe.target, device=device)
     draft, _, _ = _draft_for(recipe, model)
     runtime = make_runtime(model, name)
+    # The first compiled forwards compile (a decode step, then a verify): timed apart, before anything else.
+    runtime.reset(PREFIX + 64)
+    runtime.forward(ids[:PREFIX], 0, logits_to_keep=1)  # a prefill runs eagerly in every runtime
+    t0 = now()
+    runtime.forward(ids[PREFIX:PREFIX + 1], PREFIX)
+    runtime.forward(ids[PREFIX:PREFIX + 5], PREFIX)
+    first_forwards_s = now() - t0
     forward_ms = forward_costs(runtime, ids[:PREFIX + 9], range(1, 10), REPEATS)
 
     # A draft step as the engine times it: K drafted tokens after one verify (the head first runs the
     # target's features of the newly committed position), divided by K.
-    decoder = SpeculativeDecoder(runtime, draft, k=DRAFT_K)
+    decoder = SpeculativeDecoder(runtime, draft, k=DRAFT_K, eos_ids=eos)
     engine_draft, target = decoder.drafter, decoder.target
-    seq = torch.cat([ids, torch.zeros(DRAFT_K + 1, dtype=torch.long)])
+    seq = torch.cat([ids, torch.zeros(DRAFT_K + 1, dtype=torch.long, device=device)])
     target.reset(PREFIX + 64)
     engine_draft.reset(PREFIX + 64)
     _, features = target.forward(seq[:PREFIX], 0)
     n = PREFIX + 1
 
     def draft_step():
-        engine_draft.propose(seq, n, features[-1:], DRAFT_K, 0.0, None)
+        engine_draft.propose(seq, n, None if features is None else features[-1:], DRAFT_K, 0.0, None)
 
-    draft_step_ms = _median_ms(draft_step) / DRAFT_K
+    draft_step_ms = _median_ms(draft_step, now) / DRAFT_K
 
     baseline = SpeculativeDecoder(runtime, None, eos_ids=eos)
     baseline.decode(prompt, 8)  # warm-up
     res = baseline.decode(prompt, DECODE_TOKENS)
     ar_tps = len(res.tokens) / res.total_s
+    spec = decoder.decode(prompt, DECODE_TOKENS)  # T=0: must be plain decoding's tokens, verify shapes and all
 
-    gen_ids = torch.tensor([prompt])
+    gen_ids = torch.tensor([prompt], device=device)
     model.generate(gen_ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(gen_ids))
-    t0 = time.perf_counter()
+    t0 = now()
     out = model.generate(gen_ids, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, do_sample=False,
                          attention_mask=torch.ones_like(gen_ids), pad_token_id=0)
-    hf_tps = (out.shape[1] - gen_ids.shape[1]) / (time.perf_counter() - t0)
+    hf_tps = (out.shape[1] - gen_ids.shape[1]) / (now() - t0)
 
     one = forward_ms["1"]
     return {"forward_ms": forward_ms, "v": {m: ms / one for m, ms in forward_ms.items()},
             "draft_step_ms": draft_step_ms, "d": draft_step_ms / one, "ar_tokens_per_s": ar_tps,
-            "hf_generate_tokens_per_s": hf_tps}
+            "t0_exact": spec.tokens == res.tokens, "plain_tokens": res.tokens,
+            "first_forwards_s": first_forwards_s, "hf_generate_tokens_per_s": hf_tps}
 
 
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = False) -> dict:
-    global PREFIX, REPEATS, DECODE_TOKENS
-    if toy:  # proves the benchmark runs; measures nothing (and writes no result)
+    """toy: a 16-token prefix, 1 repeat, 4 decoded tokens, no torch.compile (minutes of compiling on a CPU):
+    proves the benchmark runs, measures nothing, writes no result."""
+    global PREFIX, REPEATS, DECODE_TOKENS, RUNTIMES
+    if toy:
         PREFIX, REPEATS, DECODE_TOKENS = 16, 1, 4
+        RUNTIMES = [r for r in RUNTIMES if not r.startswith("compiled")]
     recipe = load_recipe(recipe_path, ["run_name=bench-toy"] if toy else [])
+    device = devices.resolve(recipe.device)
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
-    ids = _prefix_ids(prompts)
+    ids = _prefix_ids(prompts, device)
     reference = load_target(recipe.target)
     eos = eos_token_ids(reference, tokenizer)
     prompt = prompts[0].ids
     default = resolve_runtime_name("auto", reference.config)
     report = {"default": default, "target": recipe.target.path, "draft_kind": recipe.draft.kind,
-              "prefix_tokens": PREFIX, "threads": torch.get_num_threads(), "runtimes": {}}
+              "prefix_tokens": PREFIX, "hardware": devices.hardware(device), "runtimes": {}}
     for name in RUNTIMES:
         print(f"measuring {name} ...", flush=True)
-        report["runtimes"][name] = measure(recipe, name, ids, prompt, eos)
+        report["runtimes"][name] = measure(recipe, name, ids, prompt, eos, device)
     ref = report["runtimes"]["eager-fp32"]
-    print(f"\ntarget {recipe.target.path}, {recipe.draft.kind} head, {PREFIX}-token cached prefix, "
-          f"{torch.get_num_threads()} threads, median of {REPEATS}; default runtime: {default}")
-    print(f"{'runtime':12} {'ms M=1':>7} {'M=5':>7} {'M=9':>7} {'v(4)':>5} {'v(5)':>5} {'v(9)':>5} "
-          f"{'draft ms':>8} {'d':>5} {'AR tok/s':>8} {'AR vs eager-fp32':>16} {'hf tok/s':>8}")
+    static_tokens = report["runtimes"]["static-bf16"]["plain_tokens"]
+    for r in report["runtimes"].values():
+        r["same_tokens_as_static_bf16"] = r["plain_tokens"] == static_tokens
+    hw = report["hardware"]
+    print(f"\ntarget {recipe.target.path}, {recipe.draft.kind} head, {PREFIX}-token cached prefix, {hw['device']} "
+          f"({hw.get('gpu') or hw['cpu']}), {hw['threads']} threads, median of {REPEATS}; default runtime: {default}")
+    print(f"{'runtime':13} {'ms M=1':>7} {'M=5':>7} {'M=9':>7} {'v(4)':>5} {'v(5)':>5} {'v(9)':>5} "
+          f"{'draft ms':>8} {'d':>5} {'AR tok/s':>8} {'AR vs eager-fp32':>16} {'T=0 exact':>9} {'1st fwd s':>9} "
+          f"{'hf tok/s':>8}")
     for name, r in report["runtimes"].items():
         f, v = r["forward_ms"], r["v"]
-        print(f"{name:12} {f['1']:7.1f} {f['5']:7.1f} {f['9']:7.1f} {v['4']:5.2f} {v['5']:5.2f} {v['9']:5.2f} "
+        print(f"{name:13} {f['1']:7.1f} {f['5']:7.1f} {f['9']:7.1f} {v['4']:5.2f} {v['5']:5.2f} {v['9']:5.2f} "
               f"{r['draft_step_ms']:8.2f} {r['d']:5.3f} {r['ar_tokens_per_s']:8.1f} "
-              f"{r['ar_tokens_per_s'] / ref['ar_tokens_per_s']:15.2f}x {r['hf_generate_tokens_per_s']:8.1f}")
+              f"{r['ar_tokens_per_s'] / ref['ar_tokens_per_s']:15.2f}x {'yes' if r['t0_exact'] else 'NO':>9} "
+              f"{r['first_forwards_s']:9.1f} {r['hf_generate_tokens_per_s']:8.1f}")
+    print("T=0 exact: speculative decoding (K=4) token-identical to plain decoding in the same runtime; "
+          "1st fwd s: the first decode step and verify (compile time for compiled-bf16), not in any other figure")
     if toy:
         return report
     out = CHECKPOINTS / "bench" / "runtime.json"

@@ -2,7 +2,9 @@
 then the default head (the default recipe's EAGLE-3 head on SmolLM2-135M, a real bf16 cache of 96 gsm8k
 rows): fp32 against bf16 (`train.precision`), and data parallelism measured where it means something:
 N processes of one thread each against one process of one thread (ideal: N x), plus one process using
-every core (the default). A user predicts multi-GPU efficiency from the N-process ratio.
+every core (the default). A user predicts multi-GPU efficiency from the N-process ratio. Last, whether the
+cache reader keeps up with a step: the DataLoader's tokens/s over the same cache and data order (0 workers,
+as on the CPU; 2 workers with prefetch, as on a GPU) against the training step's tokens/s.
 
 Tiny randomly initialised Llama target (hidden 64, 2 layers, SmolLM2's 49152 vocabulary), a cache
 written in the docs/DESIGN.md format, the real training loop. Tokens/s is the median over steps
@@ -31,7 +33,6 @@ def _median_tokens_per_s(run_dir: Path) -> float:
 
 def main(toy: bool = False) -> None:
     """toy: 2 steps per run and a 32-row default-head cache; proves the benchmark runs, measures nothing."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         os.environ["SPECDISTILL_CHECKPOINTS"] = str(tmp / "checkpoints")
@@ -61,7 +62,9 @@ def main(toy: bool = False) -> None:
     default_head(rows=32, steps=2, extra=["train.log_every=1", "train.warmup_steps=1"]) if toy else default_head()
 
 
-def default_head(rows: int = 96, steps: int = 6, extra: list[str] = ()) -> dict:
+def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None, extra: list[str] = ()) -> dict:
+    """only: run just these of the runs below (`python -m benchmarks.train_bench reader`: bf16-all-cores and
+    the reader, the check that the reader keeps up, in a few minutes)."""
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         base = [f"output_dir={tmp}", "corpus.path=/work/shared/data/gsm8k_train.jsonl", "corpus.format=columns",
@@ -69,7 +72,7 @@ def default_head(rows: int = 96, steps: int = 6, extra: list[str] = ()) -> dict:
                 "target.dtype=bfloat16", "corpus.heldout_fraction=0.05", f"train.max_steps={steps}",
                 f"train.save_every={steps}", "train.heldout_batches=1", "train.warmup_steps=2", *extra]
         recipe = lambda name, *extra: load_recipe("recipes/smollm2-135m-eagle3.yaml", base + [f"run_name={name}", *extra])
-        first = recipe("fp32-all-cores", "train.precision=fp32")
+        first = recipe("cache", "train.precision=fp32")
         prepare.run(first)
         cache.run(first)
         runs = {  # name: (recipe overrides, torch threads of an in-process run)
@@ -81,10 +84,12 @@ def default_head(rows: int = 96, steps: int = 6, extra: list[str] = ()) -> dict:
                                            f"train.micro_batch_size={8 // cores}"], cores),
         }
         out = {}
+        reader = reader_tokens_per_s(first)
         for name, (extra, threads) in runs.items():
+            if only is not None and name not in only:
+                continue
             r = recipe(name, *extra)
-            if name != "fp32-all-cores":
-                prepare.run(r), cache.run(r)  # reuses the shared cache: nothing recomputed
+            prepare.run(r), cache.run(r)  # reuses the shared cache: nothing recomputed
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
@@ -92,15 +97,42 @@ def default_head(rows: int = 96, steps: int = 6, extra: list[str] = ()) -> dict:
             finally:
                 torch.set_num_threads(before)
             out[name] = _median_tokens_per_s(r.run_dir)
-    one = out["bf16-1proc-1thread"]
     print(f"\ndefault head (EAGLE-3 on SmolLM2-135M, global batch 8 gsm8k sequences, {cores} cores):")
     for name, v in out.items():
         print(f"  {name:20s} {v:8.0f} tokens/s")
+    step = max(out.values())
+    for workers, v in reader.items():
+        print(f"  cache reader, {workers} workers: {v:8.0f} tokens/s = {v / step:.1f}x the fastest step's "
+              f"{step:.0f} tokens/s (>1: the reader keeps up)")
+    if only is not None:
+        return out
+    one = out["bf16-1proc-1thread"]
     print(f"  bf16 / fp32 (all cores, 1 process): {out['bf16-all-cores'] / out['fp32-all-cores']:.2f}x")
     print(f"  {cores} processes x 1 thread / 1 process x 1 thread: {out[f'bf16-{cores}proc-1thread'] / one:.2f}x "
           f"(ideal {cores}x); 1 process x {cores} threads / 1 x 1: {out['bf16-all-cores'] / one:.2f}x")
     return out
 
 
+def reader_tokens_per_s(recipe, steps: int = 40) -> dict[int, float]:
+    """Tokens/s of the training reader alone (collated micro batches, the training order) over `recipe`'s cache."""
+    import time
+
+    from specdistill import layout
+    from specdistill.data.cache_reader import open_cache
+    from specdistill.train.loop import StepBatches, read_batches
+
+    data = open_cache(layout.cache_dir(recipe.run_dir), "train")
+    out = {}
+    for workers in (0, 2):
+        t0, tokens = time.perf_counter(), 0
+        for batch in read_batches(data, StepBatches(len(data), 0, steps, recipe.train, 1, 0), torch.device("cpu"),
+                                  workers):
+            tokens += int(batch["attention_mask"].sum())
+        out[workers] = tokens / (time.perf_counter() - t0)
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    default_head(only=["bf16-all-cores"]) if sys.argv[1:] == ["reader"] else main()

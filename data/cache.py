@@ -9,28 +9,42 @@ rewritten (atomically) after each one, so a crash at any instant loses at most t
 
 The target runs through its decoder only; the LM head is applied to the real (unpadded) tokens and
 only when top-k is stored, so a hidden-state cache costs less than a plain forward with logits.
+
+Devices (recipe key `device`): the target, the batches and its outputs live on the device; shards are
+written from host copies. On the CPU, and on one GPU, one process runs the pass. With `train.num_gpus` N > 1
+GPUs the DeepSpeed launcher starts N processes (`python -m specdistill.data.cache`): rank r computes the
+shards i with i % N == r on its own GPU and records them in `ranks/rank-R.json`; rank 0 merges them into
+the one manifest once all are done. Shards are the same bytes whichever rank computes them, and a resumed
+run keeps every whole shard any rank finished. A target larger than one GPU's free memory is loaded
+across the GPUs with accelerate's `device_map="auto"` by one process instead.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specdistill import device as devices
 from specdistill import kinds
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_manifest, shard_name, write_json_atomic, write_manifest, write_shard
+from specdistill.formats import (read_json, read_manifest, shard_name, write_json_atomic, write_manifest,
+                                  write_shard, write_text_atomic)
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
-                                load_tokenizer, resolve_target)
+                                load_tokenizer, resolve_target, target_weight_files)
 from specdistill.train.eagle3 import resolve_aux_layers
+from specdistill.train.processes import launcher_command, process_env
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
@@ -129,19 +143,20 @@ def target_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def pad_batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right padding with token 0 (masked out, so its value does not matter)."""
+    """Right padding with token 0 (masked out, so its value does not matter); built on the host, one copy over."""
     longest = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long, device="cpu")
     for r, s in enumerate(seqs):
-        ids[r, :len(s)] = torch.tensor(s)
+        ids[r, :len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
         mask[r, :len(s)] = 1
     return ids.to(device), mask.to(device)
 
 
 def compute_shard(model, split_ds, indices: range, lengths: list[int], settings: dict, bar=None) -> dict:
     """The shard's tensors (DESIGN.md table), sequences in corpus order."""
-    device = next(model.parameters()).device if model is not None else "cpu"
+    # where the inputs go: the embedding's device (the first GPU of a target spread with device_map)
+    device = model.get_input_embeddings().weight.device if model is not None else "cpu"
     rows = split_ds.select(indices)
     input_ids = [list(x) for x in rows["input_ids"]]
     loss_masks = [list(x) for x in rows["loss_mask"]]
@@ -159,9 +174,9 @@ def compute_shard(model, split_ds, indices: range, lengths: list[int], settings:
             bar.update(sum(sizes))
     order = range(len(indices))
     tensors = {
-        "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for i in order for m in loss_masks[i]], dtype=torch.uint8),
-        "seq_lens": torch.tensor(local_lengths, dtype=torch.int64),
+        "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32, device="cpu"),
+        "loss_mask": torch.tensor([m for i in order for m in loss_masks[i]], dtype=torch.uint8, device="cpu"),
+        "seq_lens": torch.tensor(local_lengths, dtype=torch.int64, device="cpu"),
     }
     for name in pieces.get(0, {}):
         tensors[name] = torch.cat([pieces[i][name] for i in order]).contiguous()
@@ -281,11 +296,12 @@ class _Lock:
 
 
 def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, tokenizer=None,
-                shared_root: Path | None = None) -> dict:
+                shared_root: Path | None = None, rank: int = 0, world: int = 1) -> dict:
     """Cache the target's outputs for the prepared corpus at corpus_path into cache_path (resumable).
 
     With shared_root, the cache goes to shared_root/<cache_key> instead (cache_path is ignored) and a
     complete one there is reused whatever run made it; manifest["_path"] says where it is.
+    rank, world: this process's share of the shards when a launcher started `world` of them.
     """
 
     t0 = time.time()
@@ -326,15 +342,18 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
         if manifest is not None and manifest.get("complete"):
             check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
             return {**manifest, "_path": str(cache_path), "_reused": True, "_seconds": round(time.time() - t0, 2)}
-        with _Lock(Path(shared_root) / f"{key}.lock"):
-            return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store,
-                          aux_layers, cfg, per_token, plans, model, t0)
+        if rank == 0:  # one lock per run: rank 0 holds it for all ranks, which wait for it at the first barrier
+            with _Lock(Path(shared_root) / f"{key}.lock"):
+                return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings,
+                              store, aux_layers, cfg, per_token, plans, model, t0, rank, world)
     return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store,
-                  aux_layers, cfg, per_token, plans, model, t0)
+                  aux_layers, cfg, per_token, plans, model, t0, rank, world)
 
 
 def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings, store, aux_layers,
-           cfg, per_token, plans, model, t0) -> dict:
+           cfg, per_token, plans, model, t0, rank: int = 0, world: int = 1) -> dict:
+    if world > 1:
+        _barrier()  # rank 0 holds the run's lock before anyone reads the manifest
     manifest = read_manifest(cache_path)
     if manifest is not None:
         check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
@@ -355,7 +374,10 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
                            "shards": []} for s in SPLITS},
         }
     if store:  # an online cache holds tokens only: no target needed
-        model = model if model is not None else load_model(recipe)
+        model = model if model is not None else load_model(recipe, devices.resolve(recipe.device))
+    if world > 1:
+        return _build_ranked(manifest, dd, lengths, total_tokens, cache_path, settings, per_token, plans, model,
+                             t0, rank, world)
     done_tokens = sum(sh["tokens"] for s in SPLITS for sh in manifest["splits"][s]["shards"])
     cache_path.mkdir(parents=True, exist_ok=True)
     check_disk(cache_path, total_tokens - done_tokens, per_token)
@@ -385,6 +407,89 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
     return manifest
 
 
+# ---------------------------------------------------------------------------------------- N ranks
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def rank_shards(planned: int, rank: int, world: int) -> list[int]:
+    """The shard indices rank `rank` of `world` computes: every world-th, so each rank gets short and long ones."""
+    return list(range(rank, planned, world))
+
+
+def rank_file(cache_path: Path, rank: int) -> Path:
+    return cache_path / "ranks" / f"rank-{rank}.json"
+
+
+def finished_by_ranks(manifest: dict, cache_path: Path) -> dict[str, dict[int, dict]]:
+    """Per split, shard index -> manifest entry of every whole shard finished so far: the manifest's own and those
+    in the rank files of an interrupted N-process run (any N: an entry is a shard's, whoever computed it)."""
+    found = {s: {i: sh for i, sh in enumerate(manifest["splits"][s]["shards"])} for s in SPLITS}
+    for f in sorted((cache_path / "ranks").glob("rank-*.json")):
+        for s, entries in (read_json(f) or {}).items():
+            found[s].update({int(i): sh for i, sh in entries.items()})
+    for s in SPLITS:  # keep only shards whose file is still there, whole
+        found[s] = {i: sh for i, sh in found[s].items() if (cache_path / s / sh["file"]).exists()
+                    and (cache_path / s / sh["file"]).stat().st_size == sh["bytes"]}
+    return found
+
+
+def _build_ranked(manifest, dd, lengths, total_tokens, cache_path, settings, per_token, plans, model, t0,
+                  rank: int, world: int) -> dict:
+    """This rank's shards; then rank 0 writes the one manifest with every rank's shards in corpus order."""
+    import torch.distributed as dist
+
+    done = finished_by_ranks(manifest, cache_path)
+    todo = {s: [i for i in rank_shards(len(plans[s]), rank, world) if i not in done[s]] for s in SPLITS}
+    if rank == 0:
+        (cache_path / "ranks").mkdir(parents=True, exist_ok=True)
+        for s in SPLITS:
+            (cache_path / s).mkdir(exist_ok=True)
+        check_disk(cache_path, total_tokens - sum(sh["tokens"] for s in SPLITS for sh in done[s].values()), per_token)
+        write_manifest(cache_path, manifest)
+    _barrier()  # folders and manifest exist
+    mine = {s: {i: sh for i, sh in done[s].items() if i % world == rank} for s in SPLITS}
+    own = sum(sum(lengths[s][j] for j in plans[s][i]) for s in SPLITS for i in todo[s])
+    bar = tqdm(total=own, unit="tok", unit_scale=True, desc=f"caching (rank {rank} of {world})", mininterval=1.0,
+               disable=rank != 0)
+    compute_t0 = time.time()
+    for s in SPLITS:
+        for i in todo[s]:
+            tensors = compute_shard(model, dd[s], plans[s][i], lengths[s], settings, bar)
+            mine[s][i] = write_shard(cache_path / s / shard_name(i), tensors)
+            write_json_atomic(rank_file(cache_path, rank), {k: {str(i): sh for i, sh in v.items()}
+                                                            for k, v in mine.items()})
+    bar.close()
+    on = devices.resolve("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: GPU tensors only
+    computed = torch.tensor(float(own), dtype=torch.float64, device=on)
+    compute_seconds = torch.tensor(time.time() - compute_t0, dtype=torch.float64, device=on)
+    dist.all_reduce(computed)  # tokens computed by all ranks
+    dist.all_reduce(compute_seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time is the pass's
+    computed, compute_seconds = computed.item(), compute_seconds.item()
+    _barrier()  # every rank's shards are written
+    if rank == 0:
+        done = finished_by_ranks(manifest, cache_path)
+        for s in SPLITS:
+            missing = [i for i in range(len(plans[s])) if i not in done[s]]
+            if missing:
+                raise SpecdistillError(f"{cache_path}: shards {missing} of split {s} are missing after every rank "
+                                       f"finished; rerun `specdistill cache` to compute them")
+            manifest["splits"][s]["shards"] = [done[s][i] for i in range(len(plans[s]))]
+        manifest["complete"] = True
+        write_manifest(cache_path, manifest)
+        shutil.rmtree(cache_path / "ranks", ignore_errors=True)
+    _barrier()  # the manifest is complete before any rank returns
+    manifest = read_manifest(cache_path)
+    manifest["_run"] = {"tokens": total_tokens, "computed_tokens": int(computed), "ranks": world,
+                        "seconds": round(time.time() - t0, 2),
+                        "tokens_per_s": round(computed / max(compute_seconds, 1e-9), 1)}
+    manifest["_path"] = str(cache_path)
+    return manifest
+
+
 def print_summary(manifest: dict, cache_path: Path) -> None:
     run = manifest.get("_run", {})
     total = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
@@ -398,9 +503,37 @@ def print_summary(manifest: dict, cache_path: Path) -> None:
         print(f"  {run['seconds']} s, {run['tokens_per_s']:,} tokens/s over {run['computed_tokens']:,} computed tokens")
 
 
-def load_model(recipe):
+def fits_one_device(target_cfg, device: torch.device) -> bool:
+    """Whether the target's weights fit in the device's free memory with room for activations (always on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return True
+    weights = sum(f.stat().st_size for f in target_weight_files(resolve_target(target_cfg)))  # files' bytes
+    free, _ = torch.cuda.mem_get_info(device)
+    return weights <= 0.8 * free
 
-    return load_target(recipe.target, "cuda" if torch.cuda.is_available() else "cpu")
+
+def load_model(recipe, device: torch.device):
+    """The target on `device`; one larger than the GPU's free memory spread over every GPU (accelerate's
+    device_map="auto"), so a target no single GPU holds can still be cached."""
+    if fits_one_device(recipe.target, device):
+        return load_target(recipe.target, device)
+    from transformers import AutoModelForCausalLM
+
+    print(f"target {recipe.target.path} does not fit in {device}'s free memory: loading it across "
+          f"{torch.cuda.device_count()} GPUs (device_map=auto)", flush=True)
+    load_target_config(recipe.target)  # a readable error on a bad path or architecture
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(recipe.target), dtype=DTYPES[recipe.target.dtype],
+                                                 trust_remote_code=recipe.target.trust_remote_code,
+                                                 device_map="auto")
+    return model.eval().requires_grad_(False)
+
+
+def cache_processes(recipe, device: torch.device) -> int:
+    """How many processes run the pass: one per GPU of `train.num_gpus` on CUDA when the target fits on one;
+    otherwise one (the CPU's cores are one process's; a spread target is one process over all GPUs)."""
+    if torch.device(device).type != "cuda" or recipe.train.num_gpus <= 1:
+        return 1
+    return min(recipe.train.num_gpus, torch.cuda.device_count()) if fits_one_device(recipe.target, device) else 1
 
 
 def link_run_cache(link: Path, shared: Path) -> None:
@@ -414,26 +547,78 @@ def link_run_cache(link: Path, shared: Path) -> None:
 
 
 def run(recipe, args=None) -> dict:
+    device = devices.resolve(recipe.device)  # `device: cuda` without CUDA stops here, naming the key
+    processes = cache_processes(recipe, device)
+    if processes == 1:
+        return stage(recipe, device)
+    if recipe.cache.regenerate:  # one process answers the prompts first; the ranks then find it done and reuse it
+        regenerated_corpus(recipe, corpus_dir(recipe.run_dir), shared_cache_root(recipe), load_model(recipe, device))
+        torch.cuda.empty_cache()
+    import yaml
 
+    from specdistill.recipe import recipe_dump
+
+    resolved = recipe.run_dir / "cache_recipe.yaml"  # what every rank loads
+    resolved.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(resolved, yaml.safe_dump(recipe_dump(recipe), sort_keys=False))
+    done = subprocess.run(launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes),
+                          env=process_env(device, processes))
+    if done.returncode != 0:
+        raise SpecdistillError(f"cache: the DeepSpeed launcher exited with status {done.returncode} (see the "
+                               f"messages above); rerun `specdistill cache` to resume")
+    return read_manifest(cache_dir(recipe.run_dir))
+
+
+def stage(recipe, device: torch.device, rank: int = 0, world: int = 1) -> dict:
+    """The cache stage in this process: the whole pass, or rank `rank`'s share of it."""
     source = corpus_dir(recipe.run_dir)
     link = cache_dir(recipe.run_dir)
     model = None
     if recipe.cache.regenerate:
-        model = load_model(recipe)
+        model = load_model(recipe, device)
         shared = regenerated_corpus(recipe, source, shared_cache_root(recipe), model)
         regenerated_link = source.with_name("corpus-regenerated")
-        if regenerated_link.is_symlink() or not regenerated_link.exists():  # a real folder predates sharing: kept
+        if rank == 0 and (regenerated_link.is_symlink() or not regenerated_link.exists()):  # a real folder predates sharing: kept
             link_run_cache(regenerated_link, shared)  # the run's corpus-regenerated -> the shared, fingerprinted one
         source = shared
     if link.is_dir() and not link.is_symlink():  # a run cached inside itself before caches were shared: keep it
-        manifest = build_cache(recipe, source, link, model=model)
-        print_summary(manifest, link)
+        manifest = build_cache(recipe, source, link, model=model, rank=rank, world=world)
+        if rank == 0:
+            print_summary(manifest, link)
         return manifest
-    manifest = build_cache(recipe, source, None, model=model, shared_root=shared_cache_root(recipe))
+    manifest = build_cache(recipe, source, None, model=model, shared_root=shared_cache_root(recipe), rank=rank,
+                           world=world)
     shared = Path(manifest["_path"])
+    if rank != 0:
+        return manifest
     link_run_cache(link, shared)
     if manifest.get("_reused"):
         print(f"reused the shared cache {shared} (same target, tokenizer, corpus and cache settings): "
               f"nothing computed, {manifest['_seconds']} s; {link} -> it", flush=True)
     print_summary(manifest, link)
     return manifest
+
+
+def main(argv=None) -> int:
+    """One rank of an N-process cache pass (started by the DeepSpeed launcher from `run`)."""
+    from specdistill.recipe import load_recipe
+    from specdistill.train.processes import join
+
+    parser = argparse.ArgumentParser(description="one process of the cache pass (started by the DeepSpeed launcher)")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # set by the launcher (also in LOCAL_RANK)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        device = devices.resolve(recipe.device)
+        rank, world = join(device)
+        stage(recipe, device, rank, world)
+    except SpecdistillError as e:
+        print(f"specdistill cache: error: {e}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

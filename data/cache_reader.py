@@ -83,7 +83,7 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         for r, x in enumerate(items):
             padded[r, :x[k].shape[0]] = x[k]
         out[k] = padded
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long, device=items[0]["input_ids"].device)
     for r, x in enumerate(items):
         mask[r, :x["input_ids"].shape[0]] = 1
     out["attention_mask"] = mask

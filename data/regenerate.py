@@ -45,7 +45,7 @@ def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
     every id that ends a reply for the eval's decoders, so a reply ends where plain decoding would). Each
     finished batch is appended to `partial` (JSON lines {"i": prompt index, "ids": [...]}) and skipped
     when resuming."""
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device  # the target's (first) device: the prompts go there
     eos = eos if eos is not None else eos_token_ids(model)
     replies: dict[int, list[int]] = {}
     if partial is not None and partial.exists():
@@ -65,10 +65,10 @@ def generate_replies(model, prompts: list[list[int]], cfg, pad: int, desc: str,
         idx = todo[b:b + bs]
         torch.manual_seed(idx[0])  # sampled regeneration is reproducible, also after a resume
         longest = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), longest), pad, dtype=torch.long)
-        mask = torch.zeros(len(idx), longest, dtype=torch.long)
+        ids = torch.full((len(idx), longest), pad, dtype=torch.long, device="cpu")  # built on the host, one copy over
+        mask = torch.zeros(len(idx), longest, dtype=torch.long, device="cpu")
         for r, i in enumerate(idx):
-            ids[r, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+            ids[r, longest - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long, device="cpu")
             mask[r, longest - len(prompts[i]):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=pad,
                              max_new_tokens=cfg.regenerate_max_new_tokens, eos_token_id=sorted(eos), **options)

@@ -6,9 +6,9 @@ hf_assisted       assisted generation with our draft_lm as `assistant_model` (dr
 """
 from __future__ import annotations
 
-import time
-
 import torch
+
+from specdistill import device as devices
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -33,7 +33,7 @@ def assistant_of(draft):
 def run_comparator(name: str, target, prompt_ids: list[int], max_new_tokens: int, eos_ids, pad_id,
                    draft=None, k: int = 4) -> tuple[list[int], float]:
     """Greedy decode one prompt with a transformers decoder -> (new tokens, seconds)."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=target.device)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos_ids) or None,
                   pad_token_id=pad_id, attention_mask=torch.ones_like(ids))
     if name == "hf_prompt_lookup":
@@ -44,7 +44,8 @@ def run_comparator(name: str, target, prompt_ids: list[int], max_new_tokens: int
         kwargs["num_assistant_tokens_schedule"] = "constant"
     elif name != "hf_generate":
         raise ValueError(f"unknown comparator {name}")
-    start = time.perf_counter()
+    now = devices.clock(target.device)  # waits for the device before it reads the time
+    start = now()
     out = target.generate(ids, **kwargs)
-    seconds = time.perf_counter() - start
+    seconds = now() - start
     return out[0, ids.shape[1]:].tolist(), seconds

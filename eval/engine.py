@@ -23,11 +23,11 @@ target cached since the previous call, or None when it reads none (`needs_featur
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specdistill import device as devices
 from specdistill import kinds
 from specdistill.errors import SpecdistillError
 from specdistill.target import cut_at_eos, eos_token_ids  # noqa: F401  (eos_token_ids: re-exported for callers)
@@ -103,6 +103,10 @@ class Target:
         self.model = self.runtime.model
         self.feature_fn = feature_fn
 
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
     def reset(self, capacity: int) -> None:
         self.runtime.reset(capacity)
 
@@ -134,7 +138,7 @@ class NoDraft:
         pass
 
     def propose(self, seq, n, new_features, k, temperature, generator):
-        return stack_draws([], [])
+        return stack_draws([], [], seq.device)
 
 
 def make_drafter(draft, target=None, static: bool = False):
@@ -201,34 +205,36 @@ def decode_loop(target: Target, stepper, prompt_ids, max_new_tokens: int, depth:
     """Prefill, then steps of draft -> verify -> commit until the token budget or an EOS; the stepper
     drafts and verifies (a chain, a tree), this loop owns everything else: the budget, the EOS cut, the
     target's cache (cropped, or the accepted path kept), timing and the per-depth counters."""
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+    dev = target.device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).flatten()
     p_len = prompt.numel()
     if p_len == 0:
         raise SpecdistillError("decode: empty prompt")
-    seq = torch.empty(p_len + max_new_tokens + depth + 1, dtype=torch.long)  # preallocated once
+    seq = torch.empty(p_len + max_new_tokens + depth + 1, dtype=torch.long, device=dev)  # preallocated once
     seq[:p_len] = prompt
     n = p_len
     res = result if result is not None else DecodeResult(tokens=[])
     res.drafted, res.tested, res.accepted = [0] * depth, [0] * depth, [0] * depth
 
-    start = time.perf_counter()
+    now = devices.clock(dev)  # waits for the device before it reads the time
+    start = now()
     target.reset(p_len + max_new_tokens + SLACK)
     stepper.reset(p_len + max_new_tokens + SLACK)
     new_features = None
     if p_len > 1:  # prefill everything but the pending last prompt token
         _, new_features = target.forward(seq[:p_len - 1], 0, logits_to_keep=1)
-    res.prefill_s = time.perf_counter() - start
+    res.prefill_s = now() - start
 
     while n - p_len < max_new_tokens:
         room = max_new_tokens - (n - p_len) - 1  # the target adds one token itself
-        t0 = time.perf_counter()
+        t0 = now()
         proposal = stepper.draft(seq, n, new_features, min(depth, room), temperature, generator)
-        t1 = time.perf_counter()
+        t1 = now()
         v = stepper.verify(target, seq, n, proposal, temperature, generator)
-        t2 = time.perf_counter()
+        t2 = now()
 
         new, hit_eos = cut_at_eos(v.new, eos_ids)
-        seq[n:n + len(new)] = torch.tensor(new)
+        seq[n:n + len(new)] = torch.tensor(new, device=dev)
         target.keep(n - 1, v.path[:len(new)])
         n += len(new)
         new_features = v.features[v.path] if v.features is not None else None
@@ -247,7 +253,7 @@ def decode_loop(target: Target, stepper, prompt_ids, max_new_tokens: int, depth:
         if hit_eos:
             res.stop = "eos"
             break
-    res.total_s = time.perf_counter() - start
+    res.total_s = now() - start
     res.tokens = seq[p_len:n].tolist()
     return res
 
@@ -255,12 +261,12 @@ def decode_loop(target: Target, stepper, prompt_ids, max_new_tokens: int, depth:
 class SpeculativeDecoder:
     """Chain speculative decoding. target: a runtime (eval/runtime.py) or a transformers model (run eagerly
     in its own dtype); draft: None (plain decoding), a module (its kind makes the drafter) or a drafter.
-    The draft runs in the target runtime's dtype."""
+    The draft runs on the target runtime's device, in its dtype."""
 
     def __init__(self, target, draft=None, k: int = 4, eos_ids=()):
         runtime = as_runtime(target)
         if draft is not None and not hasattr(draft, "propose"):
-            draft.to(runtime.dtype)
+            draft.to(device=runtime.device, dtype=runtime.dtype)
         self.drafter = make_drafter(draft, runtime.model, static=isinstance(runtime, StaticRuntime))
         self.target = Target(runtime, self.drafter.features if self.drafter.needs_features else None)
         self.k = k if not isinstance(self.drafter, NoDraft) else 0

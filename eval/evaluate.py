@@ -8,7 +8,6 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 from __future__ import annotations
 
 import copy
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdistill import device as devices
 from specdistill import kinds, layout, metrics, provenance
 from specdistill.errors import SpecdistillError
 from specdistill.eval import comparators, exactness
@@ -32,20 +32,6 @@ T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exac
 
 
 # ----------------------------------------------------------------------------- small pieces
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware() -> dict:
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": "cpu"}
-
 
 def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
     """'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
@@ -120,9 +106,9 @@ def vocab_coverage_eval(draft, outputs: list[list[int]], vocab_size: int) -> dic
     tokens = [t for out in outputs for t in out]
     if ids is None:
         return {"vocab_coverage_eval": None, "vocab_coverage_eval_tokens": len(tokens), "draft_vocab_size": None}
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")  # host bookkeeping over token lists
     inside[ids] = True
-    hits = int(inside[torch.tensor(tokens, dtype=torch.long)].sum()) if tokens else 0
+    hits = int(inside[torch.tensor(tokens, dtype=torch.long, device="cpu")].sum()) if tokens else 0
     return {"vocab_coverage_eval": hits / len(tokens) if tokens else None, "vocab_coverage_eval_tokens": len(tokens),
             "draft_vocab_size": int(ids.numel())}
 
@@ -159,7 +145,7 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
-        seq = torch.tensor([prompt + cont])
+        seq = torch.tensor([prompt + cont], device=target.device)
         p_logits, q_logits = draft_kind.prompt_logits(draft, target, seq)  # row j predicts token j+1
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
         log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
@@ -186,10 +172,6 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
 
 # ----------------------------------------------------------------------------- one checkpoint
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _speedup(spec: dict, base: dict) -> float:
     return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
 
@@ -197,11 +179,11 @@ def _speedup(spec: dict, base: dict) -> float:
 WARMUP_TOKENS = 8
 
 
-def warm_up(decoders, prompt_ids, temperature) -> None:
+def warm_up(decoders, prompt_ids, temperature, device) -> None:
     """One short untimed decode per decoder before any timed one (first-call allocations, lazy kernels)."""
     for d in decoders:
         if d is not None:
-            d.decode(prompt_ids, WARMUP_TOKENS, temperature, _generator(0))
+            d.decode(prompt_ids, WARMUP_TOKENS, temperature, devices.generator(device, 0))
 
 
 @dataclass
@@ -225,19 +207,23 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
+    dev = decoders.target.device
+
+    def generator(seed):  # the same seed for every decoder of a prompt, on the device it samples on
+        return devices.generator(dev, seed)
     if prompts:
-        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature)
+        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature, dev)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
         if base_first:
-            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         for k in ks:
-            spec_runs[k].append(chain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed), k=k))
+            spec_runs[k].append(chain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed), k=k))
         if not base_first:
-            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
-            tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, _generator(seed)))
+            tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         for name in comparator_names:
             tokens, seconds = comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
                                                          decoders.eos, decoders.pad_id, draft=decoders.draft, k=eval_cfg.k)
@@ -259,7 +245,7 @@ def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
                 continue
             at = next((j for j, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b),
                       min(len(run.tokens), len(base.tokens)))
-            ids = torch.tensor(prompts[i].ids + base.tokens[:at])
+            ids = torch.tensor(prompts[i].ids + base.tokens[:at], device=runtime.device)
             runtime.reset(ids.numel() + 8)
             logits, _ = runtime.forward(ids, 0, logits_to_keep=1)
             top = logits[-1].float().topk(2).values
@@ -276,7 +262,8 @@ def measure_costs(runtime, prompts, cfg, tree=None) -> dict:
         sizes.append(tree.shape.verified_tokens)
     while len(ids) < 128 + max(sizes):
         ids = ids + ids
-    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)]), sorted(set(sizes)), repeats=15)
+    ms = forward_costs(runtime, torch.tensor(ids[:128 + max(sizes)], device=runtime.device), sorted(set(sizes)),
+                       repeats=15)
     return {"runtime": runtime.name, "prefix_tokens": 128, "forward_ms": ms,
             "v": {m: t / ms["1"] for m, t in ms.items()}, "tree_tokens": sizes[-1] if tree is not None else None}
 
@@ -432,7 +419,8 @@ def reference_divergences(reference_model, prompts, reference: list[list[int]], 
             if run.tokens == want:
                 continue
             at = next((j for j, (a, b) in enumerate(zip(run.tokens, want)) if a != b), min(len(run.tokens), len(want)))
-            logits = reference_model(torch.tensor([prompts[i].ids + want[:at]])).logits[0, -1].float()
+            ids = torch.tensor([prompts[i].ids + want[:at]], device=reference_model.device)
+            logits = reference_model(ids).logits[0, -1].float()
             top = logits.topk(2).values
             found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
     return found
@@ -552,7 +540,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "k": cfg.k,
-        "hardware": hardware(),
+        "hardware": devices.hardware(target.device),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
         "exactness_check": exact,
@@ -590,7 +578,8 @@ def run(recipe, args) -> list[Path]:
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
-    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}))
+    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}),
+                         device=devices.resolve(recipe.device))
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
@@ -600,7 +589,7 @@ def run(recipe, args) -> list[Path]:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
         # the lossless reference runs in float32, loaded from disk (not the runtime's cast weights)
         reference_model = (target if target.dtype == torch.float32 else
-                           load_target(recipe.target.model_copy(update={"dtype": "float32"})))
+                           load_target(recipe.target.model_copy(update={"dtype": "float32"}), device=target.device))
         reference = transformers_greedy(reference_model, prompts, recipe.eval.max_new_tokens, eos, pad_id)
     written = []
     for step_dir in steps:

@@ -19,7 +19,7 @@ def verify_rows_match(runtime, prompt_ids: list[int], ks: list[int]) -> dict:
     prefill, run [pending, t1..tK] as one K+1-row forward for each K and compare it row by row.
     `exact` only if every row of every K is bit-identical."""
     ks = sorted({k for k in ks if k > 0})
-    ids = torch.tensor(prompt_ids, dtype=torch.long)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=runtime.device)
     past = ids.numel() - 1
     runtime.reset(past + max(ks, default=0) + 1 + 64)
     if past:

@@ -9,6 +9,9 @@ states). Two families, measured by `make bench ARGS=runtime`:
                   preallocated once per prompt and indexed by slot (gpt-fast's design): a rollback
                   only moves the committed length, nothing is copied or concatenated, and no
                   per-forward mask or cache bookkeeping runs through Python layers.
+  compiled-<dtype>  the static runtime with its fixed-shape decode forwards (up to COMPILE_MAX_TOKENS new
+                  tokens) captured by torch.compile: mode "reduce-overhead" on CUDA (CUDA graphs), the
+                  default mode on the CPU; a prefill (its length differs per prompt) runs eagerly.
 
 Exactness in reduced precision. Speculative decoding at T=0 is lossless only if a position's logits
 do not depend on how many positions share its forward (1 in plain decoding, K+1 in a verify). The
@@ -25,16 +28,19 @@ own plain decoding; the eval JSON then says so (`lossless` false, with each dive
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
+from specdistill import device as devices
 from specdistill.errors import SpecdistillError
 from specdistill.target import DTYPES, SHORT_DTYPE
 
 STATIC_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-FAMILIES = ("eager", "static")
+FAMILIES = ("eager", "static", "compiled")
+# Forwards of at most this many new tokens (decode steps, verifies, trees) run compiled; longer ones are
+# prefills, whose length differs per prompt, and run eagerly rather than compile a graph per prompt.
+COMPILE_MAX_TOKENS = 64
 
 
 def runtime_name(family: str, dtype: str) -> str:
@@ -70,19 +76,19 @@ def make_runtime(model, name: str):
     name = resolve_runtime_name(name, model.config)
     family, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
-    if family == "static":
+    if family in ("static", "compiled"):
         if not _static_supports(model.config):
             raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
                                    f"without sliding-window attention, not this '{model.config.model_type}'; "
                                    f"use eager-{name.split('-')[1]}")
-        return StaticRuntime(model, name)
+        return StaticRuntime(model, name, compiled=family == "compiled")
     return EagerRuntime(model, name)
 
 
-def tree_mask(parents: list[int]) -> torch.Tensor:
-    """parents[i] < i (root: -1) -> bool [N, N], [i, j] = j is i or an ancestor of i."""
+def tree_mask(parents: list[int], device) -> torch.Tensor:
+    """parents[i] < i (root: -1) -> bool [N, N] on `device`, [i, j] = j is i or an ancestor of i."""
     n = len(parents)
-    anc = torch.eye(n, dtype=torch.bool)
+    anc = torch.eye(n, dtype=torch.bool, device=device)
     for i, p in enumerate(parents):
         if p >= 0:
             anc[i] |= anc[p]
@@ -91,7 +97,7 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = attend) as the float mask transformers adds to attention scores."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def new_cache(config) -> DynamicCache:
@@ -119,6 +125,10 @@ class EagerRuntime:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def reset(self, capacity: int) -> None:
         self.cache = new_cache(self.model.config)
 
@@ -130,8 +140,9 @@ class EagerRuntime:
         cached prefix and its own ancestors."""
         kwargs = {}
         if parents is not None:
-            mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool), tree_mask(parents)], dim=1)
-            kwargs = {"position_ids": (past + torch.tensor(depths))[None],
+            dev = ids.device
+            mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool, device=dev), tree_mask(parents, dev)], dim=1)
+            kwargs = {"position_ids": (past + torch.tensor(depths, device=dev))[None],
                       "attention_mask": additive(mask, self.model.dtype)[None, None]}
         out = self.model(ids[None], past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=logits_to_keep, **kwargs)
@@ -142,7 +153,7 @@ class EagerRuntime:
 
     def keep_path(self, start: int, slots: list[int]) -> None:
         """Move the KV entries at `slots` (ascending, >= start) to start, start+1, ... and crop after them."""
-        idx = torch.tensor(slots)
+        idx = torch.tensor(slots, device=self.device)
         for layer in self.cache.layers:
             if type(layer).__name__ != "DynamicLayer":
                 raise SpecdistillError(f"tree decoding: cache layer {type(layer).__name__} (sliding window?) is "
@@ -169,8 +180,12 @@ class SlotCache:
     """Keys and values of some attention layers, preallocated for `capacity` slots and indexed by slot,
     with the rope table of every position: what the static runtime and the static draft head share."""
 
-    def __init__(self, num_layers: int, attn, rotary, dtype: torch.dtype):
+    def __init__(self, num_layers: int, attn, rotary, dtype: torch.dtype, static_addresses: bool = False):
+        """static_addresses: the tensors are inputs of a compiled forward, kept at fixed addresses (CUDA graphs
+        replay on the same memory; transformers' StaticCache does the same)."""
         self.num_layers, self.rotary, self.dtype = num_layers, rotary, dtype
+        self.static_addresses = static_addresses
+        self.device = attn.q_proj.weight.device  # the cache lives beside the layers that write it
         self.head_dim = attn.head_dim
         self.heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
@@ -185,12 +200,20 @@ class SlotCache:
         capacity = -(-capacity // 256) * 256
         if capacity != self.capacity:
             shape = (1, self.kv_heads, capacity, self.head_dim)
-            self.keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-            self.values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
-            cos, sin = self.rotary(probe, torch.arange(capacity)[None])  # the model's own rope, scaling included
+            dev = self.device
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
+            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=dev)
+            cos, sin = self.rotary(probe, torch.arange(capacity, device=dev)[None])  # the model's own rope, scaling included
             self.cos, self.sin = cos[0], sin[0]
             self.capacity = capacity
+            if self.static_addresses:
+                for t in (*self.keys, *self.values):
+                    torch._dynamo.mark_static_address(t)
+                    torch._dynamo.mark_dynamic(t, 2)  # capacity: one compiled graph for every prompt length
+                for t in (self.cos, self.sin):
+                    torch._dynamo.mark_static_address(t)
+                    torch._dynamo.mark_dynamic(t, 0)
 
     def check(self, end: int) -> None:
         if end > self.capacity:
@@ -198,7 +221,7 @@ class SlotCache:
 
     def keep_path(self, start: int, slots: list[int]) -> None:
         """Move the entries at `slots` (ascending, >= start) to start, start+1, ..."""
-        idx = torch.tensor(slots)
+        idx = torch.tensor(slots, device=self.device)
         for cache in (*self.keys, *self.values):
             cache[:, :, start:start + len(slots)] = cache.index_select(2, idx)
 
@@ -238,7 +261,7 @@ class SlotCache:
 
 def chain_mask(slots: torch.Tensor, capacity: int) -> torch.Tensor:
     """Each new slot sees every slot up to itself: [1, 1, 1, M, capacity]."""
-    return (torch.arange(capacity)[None, :] <= slots[:, None])[None, None, None]
+    return (torch.arange(capacity, device=slots.device)[None, :] <= slots[:, None])[None, None, None]
 
 
 class StaticRuntime:
@@ -250,15 +273,24 @@ class StaticRuntime:
     order of every reduction in it, is the same for 1 token and for K+1 (see the module docstring).
     """
 
-    def __init__(self, model, name: str):
+    def __init__(self, model, name: str, compiled: bool = False):
         self.model, self.name = model, name
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
-        self.cache = SlotCache(len(self.layers), self.layers[0].self_attn, inner.rotary_emb, self.dtype)
+        self.cache = SlotCache(len(self.layers), self.layers[0].self_attn, inner.rotary_emb, self.dtype,
+                               static_addresses=compiled)
+        self.compiled = None
+        if compiled:  # CUDA graphs where they apply; the CPU has none, inductor's default mode there
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self.compiled = torch.compile(self._layers, mode=mode)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
 
     def reset(self, capacity: int) -> None:
         self.cache.reset(capacity)
@@ -280,14 +312,33 @@ class StaticRuntime:
             return logits[:1], ([s[:1] for s in states] if hidden else None)
         m, cache = ids.numel(), self.cache
         cache.check(past + m)
-        slots = torch.arange(past, past + m)
+        dev = ids.device
+        slots = torch.arange(past, past + m, device=dev)
         if parents is None:
             positions, mask = slots, chain_mask(slots, cache.capacity)
         else:
-            positions = past + torch.tensor(depths)
-            mask = (torch.arange(cache.capacity)[None, :] < past).repeat(m, 1)
-            mask[:, past:past + m] = tree_mask(parents)
+            positions = past + torch.tensor(depths, device=dev)
+            mask = (torch.arange(cache.capacity, device=dev)[None, :] < past).repeat(m, 1)
+            mask[:, past:past + m] = tree_mask(parents, dev)
             mask = mask[None, None, None]
+        if self.compiled is None or logits_to_keep or m > COMPILE_MAX_TOKENS:  # a prefill: eager
+            return self._layers(ids, slots, positions, mask, hidden, logits_to_keep)
+        # One graph for every M and capacity (marked dynamic), so plain decoding and verification run the same
+        # kernels; hidden states always computed (they are anyway), dropped when not asked for.
+        for t, dims in ((ids, (0,)), (slots, (0,)), (positions, (0,)), (mask, (3, 4))):
+            for d in dims:
+                if t.shape[d] > 1:  # torch.compile specialises size 1 (a 1-token fp32 forward: its own graph)
+                    torch._dynamo.mark_dynamic(t, d)
+        if self.device.type == "cuda":  # CUDA graphs replay into the same output memory: copy out
+            torch.compiler.cudagraph_mark_step_begin()
+        logits, states = self.compiled(ids, slots, positions, mask, True, 0)
+        if self.device.type == "cuda":
+            logits, states = logits.clone(), [s.clone() for s in states]
+        return logits, (states if hidden else None)
+
+    def _layers(self, ids, slots, positions, mask, hidden: bool, logits_to_keep: int):
+        """The forward proper, shapes fixed by (M, capacity): what torch.compile captures."""
+        cache = self.cache
         rope = cache.rope(positions)
         x = self.embed(ids[None])
         states = [x] if hidden else None
@@ -326,7 +377,7 @@ class StaticEagle3Head:
         layer, cache = self.layer, self.cache
         m = ids.numel()
         cache.check(past + m)
-        slots = torch.arange(past, past + m)
+        slots = torch.arange(past, past + m, device=ids.device)
         emb = self.head.embed_tokens(ids[None]).to(state.dtype)
         x = torch.cat([_rms_norm(emb, layer.input_layernorm), _rms_norm(state, layer.hidden_norm)], dim=-1)
         h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
@@ -339,6 +390,7 @@ def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[s
     """Median ms of one forward over M new tokens after the first len(ids) - max(sizes) tokens are cached,
     for each M in `sizes` (the cost curve behind v(M) = ms(M) / ms(1)); one untimed forward first."""
     past = ids.numel() - max(sizes)
+    now = devices.clock(ids.device)  # waits for the device: on a GPU, else it times kernel launches
     runtime.reset(ids.numel() + 8)
     with torch.inference_mode():
         runtime.forward(ids[:past], 0, logits_to_keep=1)
@@ -346,9 +398,9 @@ def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[s
         for m in sizes:
             times = []
             for i in range(repeats + 1):
-                t0 = time.perf_counter()
+                t0 = now()
                 runtime.forward(ids[past:past + m], past)
-                times.append(time.perf_counter() - t0)
+                times.append(now() - t0)
                 runtime.crop(past)
             costs[str(m)] = 1000 * statistics.median(times[1:])
     return costs

@@ -41,8 +41,8 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     """
     k = draft.shape[0]
     if k:
-        u = torch.rand(k, generator=generator)
-        rows = torch.arange(k)
+        u = torch.rand(k, generator=generator, device=p.device)
+        rows = torch.arange(k, device=p.device)
         ok = accept_mask(p[rows, draft], q[rows, draft], u)
         a = int(ok.cumprod(0).sum())
     else:
@@ -67,8 +67,9 @@ def pick(logits: torch.Tensor, temperature: float, generator=None):
     return sample(q, generator), q
 
 
-def stack_draws(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]):
-    """A drafter's proposal: tokens [k] and their distributions [k, V] (None at T=0)."""
-    ids = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)
+def stack_draws(tokens: list[torch.Tensor], qs: list[torch.Tensor | None], device):
+    """A drafter's proposal: tokens [k] and their distributions [k, V] (None at T=0), on `device` (no tokens:
+    an empty proposal still names where it lives)."""
+    ids = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long, device=device)
     q = torch.stack(qs) if qs and qs[0] is not None else None
     return ids, q

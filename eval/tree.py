@@ -155,7 +155,8 @@ class TreeDrafter:
         if m == 0 or depth == 0:
             return tree
         state = self.chain.project(new_features[None])
-        h = self._step(seq[real + 1:n][None], state, torch.arange(real, n - 1)[None], None)
+        dev = seq.device
+        h = self._step(seq[real + 1:n][None], state, torch.arange(real, n - 1, device=dev)[None], None)
         tree.forwards = 1
         states = {-1: h[0, -1]}  # output state of each expanded node; -1 = the root
         slots: dict[int, list[int]] = {-1: []}  # head-cache slots of a node's expanded ancestors and itself
@@ -178,14 +179,14 @@ class TreeDrafter:
         def expand(nodes: list[int]) -> torch.Tensor:
             """One head forward over same-depth nodes -> their children's log-probs [len(nodes), Vd]."""
             cached = self.cache.get_seq_length()
-            mask = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool)
+            mask = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool, device=dev)
             mask[:, :n - 1] = True
             for row, i in enumerate(nodes):
                 mask[row, slots[tree.parents[i]]] = True
                 mask[row, cached + row] = True
-            ids = torch.tensor([tree.tokens[i] for i in nodes])[None]
+            ids = torch.tensor([tree.tokens[i] for i in nodes], device=dev)[None]
             state = torch.stack([states[tree.parents[i]] for i in nodes])[None]
-            pos = torch.tensor([n - 2 + tree.depths[i] for i in nodes])[None]
+            pos = torch.tensor([n - 2 + tree.depths[i] for i in nodes], device=dev)[None]
             out = self._step(ids, state, pos, mask[None, None])[0]
             for row, i in enumerate(nodes):
                 states[i] = out[row]
@@ -258,7 +259,7 @@ class TreeStepper:
         tokens = [int(seq[n - 1])] + tree.tokens  # node 0 = the pending token, the root
         parents = [-1] + [p + 1 for p in tree.parents]
         depths = [0] + tree.depths
-        logits, features = target.forward(torch.tensor(tokens), n - 1, parents=parents, depths=depths)
+        logits, features = target.forward(torch.tensor(tokens, device=seq.device), n - 1, parents=parents, depths=depths)
         best = logits.argmax(-1).tolist()
         path = greedy_walk(best, tokens, parents)
         a = len(path) - 1
@@ -283,7 +284,7 @@ class TreeDecoder:
         if widest > draft_vocab:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.runtime = as_runtime(target)
-        head.to(self.runtime.dtype)
+        head.to(device=self.runtime.device, dtype=self.runtime.dtype)
         self.chain_drafter = make_drafter(head, self.runtime.model,  # checks the vocabulary; also the T > 0 fallback
                                           static=isinstance(self.runtime, StaticRuntime))
         self.target = Target(self.runtime, self.chain_drafter.features)

@@ -180,7 +180,8 @@ class EvalConfig(Section):
     tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "
                                     "or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
     runtime: str = Field("auto", description="how the target runs while decoding (eval/runtime.py): eager-fp32, "
-                         "eager-bf16, static-fp32, static-bf16, or auto = static-bf16 where the static runtime "
+                         "eager-bf16, static-fp32, static-bf16, compiled-fp32, compiled-bf16 (the static runtime "
+                         "under torch.compile), or auto = static-bf16 where the static runtime "
                          "supports the architecture, else eager-bf16; the baseline, the drafts and the "
                          "comparators all run in it")
 

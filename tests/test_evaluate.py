@@ -77,7 +77,7 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert TOP_KEYS <= set(report)
     assert report["checkpoint"] == "step-0000002" and report["step"] == 2 and report["draft_kind"] == "eagle"
     assert report["num_prompts"] == 3 and report["k"] == 3 and report["max_new_tokens"] == 12
-    assert set(report["hardware"]) == {"cpu", "threads", "device"}
+    assert {"cpu", "threads", "device"} <= set(report["hardware"]) and report["hardware"]["device"] == "cpu"
     assert report["offline"]["heldout"]["fkl"] == 3.0
     assert report["offline"]["heldout"]["top1_at"] == [0.1, 0.05, 0.02]  # what the report's simulated tau reads
     assert report["offline"]["heldout"]["simulated_tau"] == {"0": 1.1051, "1": 1.221}

@@ -57,7 +57,7 @@ def test_tree_forward_matches_plain_forward(name):
     tokens = [11, 12, 13, 14, 21, 22, 31]  # root 0; chain 0-1-2-3 and branches 0-4-5, 1-6
     parents = [-1, 0, 1, 2, 0, 4, 1]
     depths = [0, 1, 2, 3, 1, 2, 2]
-    anc = tree_mask(parents)
+    anc = tree_mask(parents, "cpu")
     rt = make_runtime(model, name)
     rt.reset(64)
     with torch.no_grad():
@@ -91,11 +91,8 @@ WIDE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_at
             num_key_value_heads=3)
 
 
-def test_static_bf16_is_batch_invariant():
-    """Every row of a multi-token forward equals the same token's 1-token forward, bit for bit (64 tokens:
-    the 1-row kernel's rounding differs on a few outputs in 10^4, so fewer rows could miss it)."""
-    model = target(**WIDE, initializer_range=0.1)
-    rt = make_runtime(model, "static-bf16")
+def rows_equal_single_token_forwards(rt):
+    """Every row of M-token forwards (M = 2..9) equals the same token's 1-token forward, bit for bit."""
     torch.manual_seed(1)
     ids = torch.randint(0, V, (100 + 64,))
     with torch.no_grad():
@@ -106,6 +103,12 @@ def test_static_bf16_is_batch_invariant():
             batch, _ = rt.forward(ids[100 + start:100 + start + m], 100 + start)
             for i in range(m):
                 assert torch.equal(batch[i], singles[start + i]), f"row {i} of a {m}-token forward differs"
+
+
+def test_static_bf16_is_batch_invariant():
+    """Every row of a multi-token forward equals the same token's 1-token forward, bit for bit (64 tokens:
+    the 1-row kernel's rounding differs on a few outputs in 10^4, so fewer rows could miss it)."""
+    rows_equal_single_token_forwards(make_runtime(target(**WIDE, initializer_range=0.1), "static-bf16"))
 
 
 @pytest.mark.parametrize("name", ["static-fp32", "static-bf16"])
@@ -119,6 +122,23 @@ def test_static_speculative_decoding_is_lossless(name):
         for k in (1, 3, 5):
             got = SpeculativeDecoder(rt, head, k=k).decode(prompt, 24)
             assert got.tokens == want.tokens, (name, prompt, k)
+
+
+@pytest.mark.slow  # torch.compile: about a CPU-minute even for this tiny target
+def test_compiled_bf16_is_batch_invariant_and_lossless():
+    """compiled-bf16 (the static forward under torch.compile, one graph for every M): its own rows agree
+    bit for bit across M, so a chain and a tree are token-identical to its plain decoding, though inductor's
+    kernels round otherwise than eager's."""
+    from specdistill.eval.tree import TreeDecoder
+
+    model = target(**WIDE, initializer_range=0.1)
+    head = eagle3_for(model, list(range(0, V, 4)))
+    rt = make_runtime(model, "compiled-bf16")
+    rows_equal_single_token_forwards(rt)
+    prompt = [5, 9, 100, 42]
+    want = SpeculativeDecoder(rt, None).decode(prompt, 24).tokens
+    assert SpeculativeDecoder(rt, head, k=3).decode(prompt, 24).tokens == want
+    assert TreeDecoder(rt, head, {"kind": "static", "depth": 2, "top_k": 2}).decode(prompt, 24).tokens == want
 
 
 def test_static_fp32_decodes_like_transformers():

@@ -44,13 +44,14 @@ def resolve_aux_layers(recipe, num_layers: int) -> list[int]:
 def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """The draft vocabulary: ids of the most frequent tokens, sorted ascending (as d2t requires)."""
     size = min(draft_vocab_size, counts.numel())
-    top = torch.topk(counts.double() + 1e-9 * (-torch.arange(counts.numel(), dtype=torch.double)), size).indices
+    ties = -torch.arange(counts.numel(), dtype=torch.double, device=counts.device)  # lower id first among equals
+    top = torch.topk(counts.double() + 1e-9 * ties, size).indices
     return top.sort().values
 
 
 def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
     """How often each token is a trained (loss-masked) token in the cached train split."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")  # counted on the host, from the shards
     shards = sorted((layout.cache_dir(run_dir) / "train").glob("shard-*.safetensors"))
     for shard in shards:
         with safe_open(str(shard), "pt") as f:
@@ -60,8 +61,8 @@ def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d2t = (draft_ids - torch.arange(draft_ids.numel())).long()
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    d2t = (draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device)).long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_ids.device)
     t2d[draft_ids] = True
     return d2t, t2d
 
@@ -88,11 +89,12 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(aux_layers) * hidden, hidden, bias=False)
         self.norm = type(layer.input_layernorm)(hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
+        # buffers start on the host like the layers' weights; the head moves to its device as a whole
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"))
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool, device="cpu"))
         # Pre-norm residual states spread ~1 to ~1000 per dimension (a few "massive" dimensions); Adam
         # learns fc far faster on unit-scale inputs. fc reads aux * aux_scale; export folds it into fc.
-        self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden))
+        self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden, device="cpu"))
         self.embed_tokens: nn.Embedding | None = None
 
     @property
@@ -210,7 +212,8 @@ def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps
     cache = DynamicCache(config=head.config)
     state = head.project(aux_features)
     if noise > 0:  # EAGLE's feature noise, on the fused state
-        u = torch.rand(state.shape, generator=generator, dtype=torch.float32).to(state.device, state.dtype)
+        u = torch.rand(state.shape, generator=generator, dtype=torch.float32, device=generator.device)
+        u = u.to(state.device, state.dtype)  # drawn on the generator's device: the rank's, in training
         state = state + (2 * u - 1) * noise * state.detach().std()
     outs = []
     base = torch.arange(T, device=input_ids.device).expand(B, -1)

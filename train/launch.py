@@ -3,25 +3,25 @@
 One process (num_gpus 1, one node, no hostfile) runs in-process, saving the launcher's start-up;
 otherwise the DeepSpeed launcher starts `specdistill.train.loop` once per process. Both run the
 same `loop.train`. The resolved recipe and the DeepSpeed config are written beside the checkpoints.
+The recipe's `device` sets DeepSpeed's accelerator and the processes' environment (train/processes.py).
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import torch
 import yaml
 
+from specdistill import device as devices
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import recipe_dump
 from specdistill.train.ds_config import build_ds_config
-from specdistill.train.loop import _free_port, train
+from specdistill.train.loop import train
+from specdistill.train.processes import launcher_command, process_env, use_accelerator
 
 
 def write_run_files(recipe) -> Path:
@@ -35,20 +35,10 @@ def write_run_files(recipe) -> Path:
     return resolved
 
 
-def launcher_command(recipe, resolved: Path, stop_after: int | None = None) -> list[str]:
+def train_command(recipe, resolved: Path, stop_after: int | None = None) -> list[str]:
     tc = recipe.train
-    exe = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(exe) if exe.exists() else "deepspeed", "--num_gpus", str(tc.num_gpus)]
-    if tc.num_nodes > 1:
-        cmd += ["--num_nodes", str(tc.num_nodes)]
-    if tc.hostfile:
-        if not Path(tc.hostfile).is_file():
-            raise SpecdistillError(f"train.hostfile {tc.hostfile}: no such file")
-        cmd += ["--hostfile", tc.hostfile]
-    cmd += ["--master_port", str(_free_port()), "--module", "specdistill.train.loop", "--recipe", str(resolved)]
-    if stop_after is not None:
-        cmd += ["--stop_after", str(stop_after)]
-    return cmd
+    args = ["--recipe", str(resolved)] + (["--stop_after", str(stop_after)] if stop_after is not None else [])
+    return launcher_command("specdistill.train.loop", args, tc.num_gpus, tc.num_nodes, tc.hostfile)
 
 
 def in_process(recipe) -> bool:
@@ -112,16 +102,14 @@ def run(recipe, args=None, stop_after: int | None = None):
     if getattr(args, "restart", False):
         restart(recipe.run_dir)
     check_rerun(recipe)
+    device = devices.resolve(recipe.device)  # `device: cuda` without CUDA stops here, naming the key
     resolved = write_run_files(recipe)
     if in_process(recipe):
-        history = train(recipe, stop_after=stop_after)
+        use_accelerator(device)
+        history = train(recipe, stop_after=stop_after, device=device)
     else:
-        env = dict(os.environ)
-        if not _has_gpu():
-            env.setdefault("DS_ACCELERATOR", "cpu")
-            # each process would otherwise start one thread per core: N processes x all cores oversubscribe the CPU
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // recipe.train.num_gpus)))
-        done = subprocess.run(launcher_command(recipe, resolved, stop_after), env=env)
+        env = process_env(device, recipe.train.num_gpus)
+        done = subprocess.run(train_command(recipe, resolved, stop_after), env=env)
         if done.returncode != 0:
             raise SpecdistillError(f"train: the DeepSpeed launcher exited with status {done.returncode} "
                                    f"(see the messages above); checkpoints so far are in {recipe.run_dir}")
@@ -134,7 +122,3 @@ def run(recipe, args=None, stop_after: int | None = None):
               + (f"; held-out predicted_alpha {alpha:.4f}, top1 {held['top1']:.4f}, fkl {held['fkl']:.4f}"
                  if alpha is not None else ""), flush=True)
     return history
-
-
-def _has_gpu() -> bool:
-    return torch.cuda.is_available()

@@ -7,30 +7,37 @@ Data order is a pure function of (seed, step): step s takes the s-th block of `g
 sequences from an endless stream of per-epoch permutations, and micro batch k of it goes to rank
 k % world (accumulation index k // world). So 1 process x 2 accumulation steps and 2 processes x 1
 see the same micro batches, and a resumed run continues exactly where the interrupted one was.
+
+Everything a step touches lives on the rank's device (`device.resolve(recipe.device)`, once per process):
+the batches (read by a DataLoader: workers, pinned memory and prefetch on CUDA), the feature-noise
+generators, the loss and the collectives (NCCL reduces only tensors on the GPU).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from specdistill import device as devices
 from specdistill import kinds, layout
-from specdistill.data.cache_reader import collate, open_cache
+from specdistill.data.cache_reader import OnlineDataset, collate, open_cache
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_metrics, write_text_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
 from specdistill.train import checkpoint
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
+from specdistill.train.processes import join, use_accelerator
 from specdistill.train.report_to import Reporters
 
 
@@ -38,7 +45,7 @@ from specdistill.train.report_to import Reporters
 
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    return torch.randperm(n, generator=g, device="cpu").tolist()  # host side: the order is the same on any device
 
 
 def step_micro_batches(n: int, step: int, micro: int, accum: int, world: int, rank: int, seed: int) -> list[list[int]]:
@@ -55,49 +62,65 @@ def step_micro_batches(n: int, step: int, micro: int, accum: int, world: int, ra
     return [chunks[m * world + rank] for m in range(accum)]
 
 
+class StepBatches(torch.utils.data.Sampler):
+    """This rank's micro batches (lists of sequence indices), step after step from `start` to `stop`: the
+    DataLoader's batch sampler, so workers read ahead while the order stays `step_micro_batches`'s."""
+
+    def __init__(self, n: int, start: int, stop: int, train_cfg, world: int, rank: int):
+        self.n, self.start, self.stop, self.tc, self.world, self.rank = n, start, stop, train_cfg, world, rank
+
+    def __iter__(self):
+        tc = self.tc
+        for step in range(self.start, self.stop):
+            yield from step_micro_batches(self.n, step, tc.micro_batch_size, tc.gradient_accumulation_steps,
+                                          self.world, self.rank, tc.seed)
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * self.tc.gradient_accumulation_steps
+
+
+def loader_workers(device: torch.device, processes_per_node: int, cores: int | None = None) -> int:
+    """Reader processes per training process: on CUDA up to 4 of the node's cores per GPU process (the step runs
+    on the GPU, the cores are free to read ahead); on the CPU none: the step needs every core, and the reader
+    keeps up without help (`make bench ARGS=train`: reader tokens/s vs a step's)."""
+    if torch.device(device).type != "cuda":
+        return 0
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, processes_per_node) - 1))
+
+
+def read_batches(data, sampler, device: torch.device, workers: int) -> Iterator[dict]:
+    """Collated micro batches in the sampler's order, read by a DataLoader. An online cache computes with the
+    target in this process: no workers. Pinned host memory on CUDA, so the copy to the GPU runs beside the step."""
+    online = isinstance(data, OnlineDataset)
+    workers = 0 if online else workers
+    pin = torch.device(device).type == "cuda" and not online
+    loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=pin,
+                        prefetch_factor=4 if workers else None, persistent_workers=False)
+    with torch.device("cpu"):  # the loader's own bookkeeping (its workers' base seed) lives on the host
+        return iter(loader)
+
+
 def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-# ---- distributed set-up --------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed():
-    """Join the launcher's process group, or make a 1-process group when run in-process."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    acc = get_accelerator()
-    backend = "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.device_name(local))
-    if device.type != "cpu":
-        acc.set_device(local)
-    return dist.get_rank(), dist.get_world_size(), device
-
+# ---- collectives: on the tensors' own device (NCCL refuses CPU tensors) ----------------------------
 
 def all_mean(values: torch.Tensor, world: int) -> torch.Tensor:
-    values = values.detach().float().cpu().clone()
+    """The mean over ranks, on the device and in the dtype of `values`."""
+    values = values.detach().clone()
     if world > 1:
         dist.all_reduce(values)
     return values / world
 
 
-def all_sum(value: float, world: int) -> float:
-    t = torch.tensor([float(value)])
+def all_sum(value: torch.Tensor, world: int) -> torch.Tensor:
+    """The sum over ranks, on the device and in the dtype of `value`."""
+    value = value.detach().clone()
     if world > 1:
-        dist.all_reduce(t)
-    return t.item()
+        dist.all_reduce(value)
+    return value
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -140,24 +163,29 @@ def _log_line(run_dir: Path, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def train(recipe, stop_after: int | None = None) -> list[dict]:
+def train(recipe, stop_after: int | None = None, device: torch.device | None = None) -> list[dict]:
     """Train (resuming from the latest complete checkpoint). Returns rank 0's per-step log records.
 
     stop_after: stop once this step is done (simulates an interruption; used by the resume test).
+    device: the resolved `recipe.device` when the caller resolved it already (in-process runs).
     """
+    if device is None:
+        device = devices.resolve(recipe.device)
+        use_accelerator(device)
     import deepspeed  # deferred: seconds to import, and `specdistill train` may hand over to the launcher
 
     tc, draft_kind = recipe.train, kinds.kind(recipe.draft.kind)
-    rank, world, device = init_distributed()
+    rank, world = join(device)
     run_dir = recipe.run_dir
     cache = layout.cache_dir(run_dir)
     data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
         raise SpecdistillError(f"{cache}: the train split has no sequences")
     torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
-    parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
-    head = draft_kind.build(recipe, parts, data)
-    objective = draft_kind.Objective(head, parts, recipe.loss, data)
+    with torch.device(device):  # modules are made where they train (no host copy of a large draft LM first)
+        parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
+        head = draft_kind.build(recipe, parts, data)
+        objective = draft_kind.Objective(head, parts, recipe.loss, data)
     trainable = [p for p in objective.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(model=objective, model_parameters=trainable,
                                               config=build_ds_config(tc, world), lr_scheduler=lr_scheduler(tc))
@@ -176,12 +204,15 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
         _trim_log(run_dir, start)
     run = RunState(recipe, rank, world, device, run_dir,
                    Reporters(recipe, layout.tb_dir(run_dir)) if rank == 0 else None, latest, meta, tokens_seen)
+    stop = tc.max_steps if stop_after is None else min(tc.max_steps, max(stop_after, start))
+    batches = read_batches(data, StepBatches(len(data), start, stop, tc, world, rank), device,
+                           loader_workers(device, min(tc.num_gpus, world)))
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
     try:
-        for step in range(start, tc.max_steps):
+        for step in range(start, stop):
             t0 = time.time()
-            record = _train_step(run, ds_engine, data, step)
+            record = _train_step(run, ds_engine, batches, step)
             record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
             run.tokens_seen += record["tokens"]
             record["tokens_seen"] = run.tokens_seen  # all ranks, pads excluded: the x axis of the data-scaling curve
@@ -197,8 +228,6 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
             done = step + 1
             if done % tc.save_every == 0 or done == tc.max_steps:
                 run.last_good = _save(run, ds_engine, done, heldout, record)
-            if stop_after is not None and done >= stop_after:
-                break
     finally:
         bar.close()
         if run.writer is not None:
@@ -206,35 +235,34 @@ def train(recipe, stop_after: int | None = None) -> list[dict]:
     return history
 
 
-def _train_step(run: RunState, ds_engine, data, step: int) -> dict:
+def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
     """One optimizer step: per micro batch, batch -> objective -> loss -> backward; then the step."""
     tc, world = run.recipe.train, run.world
     objective = ds_engine.module
     lr = ds_engine.get_lr()[0]
-    sums, tokens = None, 0
-    micro_batches = step_micro_batches(len(data), step, tc.micro_batch_size, tc.gradient_accumulation_steps,
-                                       world, run.rank, tc.seed)
+    sums, tokens = None, torch.zeros((), dtype=torch.long, device=run.device)
+    accum = tc.gradient_accumulation_steps
     grad_norm = None
-    for m, indices in enumerate(micro_batches):
-        batch = to_device(collate([data[i] for i in indices]), run.device)
+    for m in range(accum):
+        batch = to_device(next(batches), run.device)
         k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
-        g = torch.Generator().manual_seed((tc.seed * 100_003 + step) * 65_536 + k)
+        g = devices.generator(run.device, (tc.seed * 100_003 + step) * 65_536 + k)
         loss, components = objective.loss(ds_engine(batch, generator=g))
-        values = all_mean(torch.stack([loss.detach(), *components.values()]), world)
+        values = all_mean(torch.stack([loss.detach(), *components.values()]).float(), world)
         if not torch.isfinite(values).all():
             where = f"last good checkpoint: {run.last_good.name}" if run.last_good else "no checkpoint was written"
             raise SpecdistillError(f"train: loss became {values[0].item()} at step {step + 1} "
                                    f"(micro batch {m}); stopping, {where}")
         sums = values if sums is None else sums + values
-        tokens += int(batch["attention_mask"].sum())
+        tokens += batch["attention_mask"].sum()
         ds_engine.backward(loss)
-        if m == len(micro_batches) - 1:
+        if m == accum - 1:
             grad_norm = _grad_norm(ds_engine)
         ds_engine.step()
-    sums = sums / len(micro_batches)
-    record = {"step": step + 1, "loss": sums[0].item(), "lr": lr, "grad_norm": grad_norm,
-              "tokens": all_sum(tokens, world)}
-    record.update({k: v.item() for k, v in zip(components, sums[1:])})
+    sums = (sums / accum).tolist()
+    record = {"step": step + 1, "loss": sums[0], "lr": lr, "grad_norm": grad_norm,
+              "tokens": int(all_sum(tokens, world).item())}
+    record.update(dict(zip(components, sums[1:])))
     return record
 
 

@@ -55,5 +55,6 @@ def load_draft(step_dir: Path, target_model):
     and dtype: an EAGLE head of its kind, or a plain transformers causal LM."""
     config, state = read_checkpoint(step_dir)
     ref = target_model.get_input_embeddings().weight
-    draft = kind(config["kind"]).load(config["config"], state, target_model)
+    with ref.device:  # built where it runs: no host copy of the head on the way to a GPU
+        draft = kind(config["kind"]).load(config["config"], state, target_model)
     return draft.to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)

@@ -261,7 +261,7 @@ class DraftLMDrafter:
             tokens.append(tok)
             qs.append(q)
             feed = tok.view(1)
-        return stack_draws(tokens, qs)
+        return stack_draws(tokens, qs, seq.device)
 
 
 def drafter(model, target_model=None, static: bool = False) -> DraftLMDrafter:

@@ -117,7 +117,8 @@ class Objective(objective.Objective):
         B, T = ids.shape
         feats = h[:, :-1]
         if noise > 0:  # EAGLE's uniform noise on the input features, half-width noise * feature std
-            u = torch.rand(feats.shape, generator=generator, dtype=torch.float32).to(feats.device, feats.dtype)
+            u = torch.rand(feats.shape, generator=generator, dtype=torch.float32, device=generator.device)
+            u = u.to(feats.device, feats.dtype)  # drawn on the generator's device: the rank's, in training
             feats = feats + (2 * u - 1) * (noise * self.feature_std)
         f_hat = teacher_forced(self.head, ids, feats, batch["attention_mask"])
         # output t predicts f[t+1]; its token t+2 must be trained
@@ -129,7 +130,8 @@ class Objective(objective.Objective):
         keep = slice(None)
         share = self.loss_cfg.distribution_sample
         if share < 1.0 and generator is not None and f.shape[0] > 1:
-            keep = torch.randperm(f.shape[0], generator=generator)[:max(1, round(f.shape[0] * share))]
+            keep = torch.randperm(f.shape[0], generator=generator, device=generator.device)
+            keep = keep[:max(1, round(f.shape[0] * share))].to(f.device)
         with torch.no_grad():
             p_logits = target_logits_from_hidden(parts.config, parts.lm_head, f[keep])
         return {"q_logits": target_logits_from_hidden(parts.config, parts.lm_head, f_hat[keep]),
@@ -226,13 +228,14 @@ class EagleDrafter:
     def run(self, ids: torch.Tensor, state: torch.Tensor, start: int) -> torch.Tensor:
         """The head over ids [M] and states [1, M, H] at positions start.. (its cache cut to `start` first)."""
         crop_cache(self.cache, start)
-        return self.head(ids[None], state, torch.arange(start, start + ids.numel())[None], past_key_values=self.cache)
+        positions = torch.arange(start, start + ids.numel(), device=ids.device)[None]
+        return self.head(ids[None], state, positions, past_key_values=self.cache)
 
     def propose(self, seq, n, new_features, k, temperature, generator):
         m = 0 if new_features is None else new_features.shape[0]
         real = n - 1 - m  # positions [0, real) already hold real-feature entries
         if m == 0 or k == 0:
-            return stack_draws([], [])
+            return stack_draws([], [], seq.device)
         h = self.run(seq[real + 1:n], self.project(new_features[None]), real)[:, -1:]
         tokens, qs = [], []
         for i in range(k):
@@ -241,7 +244,7 @@ class EagleDrafter:
             qs.append(q)
             if i + 1 < k:
                 h = self.run(tok.view(1), h, n - 1 + i)
-        return stack_draws(tokens, qs)
+        return stack_draws(tokens, qs, seq.device)
 
 
 def drafter(head: EagleHead, target_model=None, static: bool = False) -> EagleDrafter:

@@ -292,7 +292,7 @@ class Eagle3Drafter(EagleDrafter):
         if temperature == 0:
             return self.to_target(logits.argmax(-1)), None
         qd = probs_from_logits(logits, temperature)
-        q = torch.zeros(self.vocab, dtype=qd.dtype).index_copy_(0, self.draft_ids, qd)
+        q = torch.zeros(self.vocab, dtype=qd.dtype, device=qd.device).index_copy_(0, self.draft_ids, qd)
         return self.to_target(sample(qd, generator)), q
 
 
@@ -311,6 +311,7 @@ def prompt_logits(head: Eagle3Head, target_model, seq: torch.Tensor):
     p_logits = out.logits[0]
     t = seq.shape[1]
     state = head.project(head.target_features(out.hidden_states, head.aux_layers)[:, :-1])
-    qd = head.logits(head(seq[:, 1:], state, torch.arange(t - 1)[None])[0])
-    q = torch.full((t - 1, p_logits.shape[-1]), float("-inf"), dtype=qd.dtype).index_copy_(1, head.draft_ids, qd)
+    qd = head.logits(head(seq[:, 1:], state, torch.arange(t - 1, device=seq.device)[None])[0])
+    q = torch.full((t - 1, p_logits.shape[-1]), float("-inf"), dtype=qd.dtype, device=qd.device)
+    q = q.index_copy_(1, head.draft_ids, qd)
     return p_logits, torch.cat([torch.zeros_like(p_logits[:1]), q.to(p_logits.dtype)])

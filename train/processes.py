@@ -1,0 +1,87 @@
+"""Running one stage as N processes: the DeepSpeed launcher's command, each process's environment, and
+joining the process group from inside one. Training (train/launch.py) and the cache pass (data/cache.py)
+start their processes through here, so both pick the same accelerator, backend and threads.
+
+The recipe's `device` decides, never the Makefile: on CUDA every process sees the GPUs, takes the one of
+its LOCAL_RANK and talks NCCL; on the CPU DeepSpeed is told `DS_ACCELERATOR=cpu`, the processes talk gloo
+and share the cores (one thread each per core / N, or N processes oversubscribe every core).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from specdistill import device as devices
+from specdistill.errors import SpecdistillError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend(device: torch.device) -> str:
+    """The collective backend for a device: NCCL refuses CPU tensors, gloo has no GPU kernels worth using."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def process_env(device: torch.device, processes: int, env: dict | None = None, cores: int | None = None) -> dict:
+    """The environment each of `processes` processes on one node starts with, for the resolved `device`.
+
+    CUDA: DS_ACCELERATOR=cuda (an inherited `cpu` is dropped: it would silently train on the CPU), and no
+    thread limit; the launcher gives each process its LOCAL_RANK, `device.resolve` maps it to one GPU.
+    CPU: DS_ACCELERATOR=cpu and OMP_NUM_THREADS = cores / processes (a user's own setting is kept)."""
+    env = dict(os.environ if env is None else env)
+    device = torch.device(device)
+    env["DS_ACCELERATOR"] = devices.deepspeed_accelerator(device)
+    if device.type == "cpu":
+        cores = cores or os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, processes))))
+    return env
+
+
+def launcher_command(module: str, args: list[str], num_gpus: int, num_nodes: int = 1,
+                     hostfile: str | None = None) -> list[str]:
+    """`deepspeed --num_gpus N [--num_nodes M --hostfile H] --module MODULE ARGS...` (the venv's launcher)."""
+    exe = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(exe) if exe.exists() else "deepspeed", "--num_gpus", str(num_gpus)]
+    if num_nodes > 1:
+        cmd += ["--num_nodes", str(num_nodes)]
+    if hostfile:
+        if not Path(hostfile).is_file():
+            raise SpecdistillError(f"train.hostfile {hostfile}: no such file")
+        cmd += ["--hostfile", hostfile]
+    return cmd + ["--master_port", str(free_port()), "--module", module, *args]
+
+
+def use_accelerator(device: torch.device) -> None:
+    """Point DeepSpeed at the device's accelerator before anything asks it, and refuse a mismatch (DeepSpeed
+    caches its first answer: a process that already chose another one would train on it silently)."""
+    wanted = devices.deepspeed_accelerator(device)
+    os.environ["DS_ACCELERATOR"] = wanted
+    from deepspeed.accelerator import get_accelerator
+
+    got = get_accelerator().device_name()
+    if got != wanted:
+        raise SpecdistillError(f"device: {device} needs DeepSpeed's {wanted!r} accelerator, but this process "
+                               f"already uses {got!r}; run it in a fresh process")
+
+
+def join(device: torch.device) -> tuple[int, int]:
+    """Join the launcher's process group (or a 1-process group when run in-process); (rank, world)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if not dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend(device))
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size()
