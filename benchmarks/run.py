@@ -3,6 +3,8 @@
 Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime;
 `make bench ARGS="scaling [--fractions ...] [overrides]"` only when named). After each, its peak memory
 (device.peak_memory: this process's resident set, and the GPU's on CUDA).
+`--toy` runs each at toy size (a few tokens, a step or two): it measures nothing meaningful, it only proves
+the benchmark still runs; tests/test_benchmarks.py runs every one of them that way in `make test`.
 """
 from __future__ import annotations
 
@@ -25,16 +27,17 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in LONG:
         importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
         return 0
-    chosen = argv or [b for b in BENCHES if b not in LONG]
+    toy = "--toy" in argv
+    chosen = [a for a in argv if a != "--toy"] or [b for b in BENCHES if b not in LONG]
     where = device.resolve("auto")
     peaks = {}
     for name in chosen:
         if name not in BENCHES:
             print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
             return 2
-        print(f"\n=== benchmark: {name} ===", flush=True)
+        print(f"\n=== benchmark: {name}{' (toy size)' if toy else ''} ===", flush=True)
         device.reset_peak_memory(where)
-        importlib.import_module(BENCHES[name]).main()
+        importlib.import_module(BENCHES[name]).main(toy=toy)
         peaks[name] = device.peak_memory(where)
         print(f"peak memory of benchmark {name}: " + ", ".join(f"{k} {v}" for k, v in peaks[name].items()), flush=True)
     if len(peaks) > 1:

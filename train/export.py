@@ -286,7 +286,7 @@ def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.
         return state
     state["d2t"] = state["d2t"].long()
     ids = check_d2t(weights, state["d2t"], vocab)
-    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
     mask[ids] = True
     if t2d is not None and not torch.equal(t2d.bool(), mask):
         raise SpecdistillError(f"{weights}: t2d disagrees with d2t")
