@@ -255,7 +255,7 @@ class ScaledEmbedding(nn.Embedding):
     """Gemma multiplies its embeddings by sqrt(hidden) inside the embedding module; match it."""
 
     def forward(self, ids):
-        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
+        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype, device=self.weight.device)
 
 
 def load_target_parts(target_cfg: TargetConfig, device="cpu", dtype=torch.float32) -> TargetParts:

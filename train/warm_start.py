@@ -106,7 +106,7 @@ def warm_eagle3(path, head, target_config) -> None:
     if d2t is None:
         if vd != vocab:
             raise SpecdistillError(f"draft.init_from {path}: no d2t but a draft vocabulary of {vd} < {vocab}")
-        d2t = torch.zeros(vd, dtype=torch.long)
+        d2t = torch.zeros(vd, dtype=torch.long, device=head.lm_head.weight.device)
     ids = check_d2t(Path(path), d2t.long(), vocab)
     state.pop("aux_scale", None)
     load_state(path, head, {**state, "d2t": d2t.long(), "t2d": head.t2d, "aux_scale": head.aux_scale}, "EAGLE-3 head")
