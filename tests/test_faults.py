@@ -445,9 +445,6 @@ def test_one_process_killed_anywhere_resumes_bit_for_bit(tmp_path, tiny_target_d
     run_chain(tmp_path, tiny_target_dir, checkpoints_root, world=1)
 
 
-# Not yet run to the end as a test (only its steps by hand: rank death and an outside SIGTERM resumed bit for bit),
-# so CI does not run it until it has passed once: `make faults-two`.
-@pytest.mark.skipif(os.environ.get("SPECDISTILL_FAULT_SUITE_TWO") != "1",
-                    reason="the 2-process kill chain: `make faults-two` (SPECDISTILL_FAULT_SUITE_TWO=1)")
+@suite
 def test_two_processes_killed_anywhere_resume_bit_for_bit(tmp_path, tiny_target_dir, checkpoints_root):
     run_chain(tmp_path, tiny_target_dir, checkpoints_root, world=2)
