@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.runtime_bench import _median_ms
 from specdistill import device as devices
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (.whl/ lies here), wherever specdistill is installed
@@ -261,16 +262,6 @@ def measure_cache(recipe_path: Path, args) -> dict:
         torch.cuda.empty_cache()
     return {"tokens": sum(lengths), "seconds": round(seconds, 3), "tokens_per_s": round(sum(lengths) / seconds, 1),
             "store": settings["store"], "model_device": str(dev)}
-
-
-def _median_ms(fn, now, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = now()
-        fn()
-        times.append(now() - t0)
-    return 1000 * statistics.median(times)
 
 
 @torch.inference_mode()

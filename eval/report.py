@@ -150,6 +150,11 @@ def ci(r: dict, key: str, digits: int = 3) -> str:
 
 # ------------------------------------------------------------------------------- stale results
 
+def changed(had: dict, now: dict) -> list[str]:
+    """The keys whose value differs between what a result recorded and what the recipe asks now."""
+    return sorted(k for k in set(had) | set(now) if had.get(k) != now.get(k))
+
+
 def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None,
                     run_key: dict | None = None) -> None:
     """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
@@ -172,20 +177,16 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
             had = e.get("eval_settings")
             if had is None:
                 reasons.append("unverified: no eval settings recorded")
-            else:
-                diff = sorted(k for k in set(had) | set(eval_settings) if had.get(k) != eval_settings.get(k))
-                if diff:
-                    reasons.append("eval settings differ from the recipe's: " + ", ".join(
-                        f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+            elif diff := changed(had, eval_settings):
+                reasons.append("eval settings differ from the recipe's: " + ", ".join(
+                    f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
         if run_key is not None:
             had = e.get("run_key")
             if had is None:
                 reasons.append("unverified: no target / runtime / decoding code recorded (evaluated by an older version)")
-            else:
-                diff = sorted(k for k in set(had) | set(run_key) if had.get(k) != run_key.get(k))
-                if diff:
-                    reasons.append("measured with another " + ", ".join(
-                        f"{k} ({had.get(k)!r} → {run_key.get(k)!r})" for k in diff))
+            elif diff := changed(had, run_key):
+                reasons.append("measured with another " + ", ".join(
+                    f"{k} ({had.get(k)!r} → {run_key.get(k)!r})" for k in diff))
         e["_stale"] = reasons
 
 
