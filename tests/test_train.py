@@ -109,6 +109,19 @@ def test_step_micro_batches_same_for_one_and_two_processes():
     assert sorted(seen) == list(range(7)), "one epoch visits every sequence once"
 
 
+def test_a_stage_started_after_an_in_process_group_joins_its_own():
+    """An in-process run (a test, a notebook) keeps its 1-process group listening on its port: a stage started
+    from there as a child must not inherit that MASTER_PORT (it failed with EADDRINUSE in CI)."""
+    from specdistill.train.processes import join
+
+    assert join(torch.device("cpu")) == (0, 1)
+    child = "import torch; from specdistill.train.processes import join; print(join(torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("(0, 1)")
+
+
 def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
     from transformers import AutoModelForCausalLM
 
