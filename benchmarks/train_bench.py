@@ -31,14 +31,15 @@ def _median_tokens_per_s(run_dir: Path) -> float:
     return statistics.median(r["tokens_per_s"] for r in read_log(run_dir)[1:])
 
 
-def main() -> None:
+def main(toy: bool = False) -> None:
+    """toy: 2 steps per run and a 32-row default-head cache; proves the benchmark runs, measures nothing."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         os.environ["SPECDISTILL_CHECKPOINTS"] = str(tmp / "checkpoints")
         specdistill.recipe.CHECKPOINTS = tmp / "checkpoints"
         target = tmp / "target"
         tiny_model("llama").save_pretrained(target)
-        steps = dict(max_steps=8, save_every=8, micro_batch_size=4, heldout_batches=1)
+        steps = dict(max_steps=2 if toy else 8, save_every=2 if toy else 8, micro_batch_size=4, heldout_batches=1)
         results = {}
         for kind in ("eagle", "draft_lm"):
             recipe = make_recipe(tmp, target, f"bench-{kind}", kind=kind, **steps)
@@ -58,10 +59,10 @@ def main() -> None:
     for kind, v in results.items():
         print(f"  {kind:9s} {v:8.0f} tokens/s (1 process)")
     print(f"  eagle 2 processes / 1 process (same global batch): {t2:.0f} / {t1:.0f} = {t2 / t1:.2f}x")
-    default_head()
+    default_head(rows=32, steps=2, extra=["train.log_every=1", "train.warmup_steps=1"]) if toy else default_head()
 
 
-def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None) -> dict:
+def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None, extra: list[str] = ()) -> dict:
     """only: run just these of the runs below (`python -m benchmarks.train_bench reader`: bf16-all-cores and
     the reader, the check that the reader keeps up, in a few minutes)."""
     cores = os.cpu_count() or 1
@@ -69,7 +70,7 @@ def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None) 
         base = [f"output_dir={tmp}", "corpus.path=/work/shared/data/gsm8k_train.jsonl", "corpus.format=columns",
                 "corpus.columns={user: question, assistant: answer}", f"corpus.max_rows={rows}",
                 "target.dtype=bfloat16", "corpus.heldout_fraction=0.05", f"train.max_steps={steps}",
-                f"train.save_every={steps}", "train.heldout_batches=1", "train.warmup_steps=2"]
+                f"train.save_every={steps}", "train.heldout_batches=1", "train.warmup_steps=2", *extra]
         recipe = lambda name, *extra: load_recipe("recipes/smollm2-135m-eagle3.yaml", base + [f"run_name={name}", *extra])
         first = recipe("cache", "train.precision=fp32")
         prepare.run(first)

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from specdistill import device as devices
-from specdistill import kinds
+from specdistill import integrity, kinds
 from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_rows
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
@@ -218,13 +218,47 @@ def completed_shards(manifest: dict, split: str, cache_path: Path) -> list[dict]
     return kept
 
 
+def bad_shards_set_aside(cache_path: Path, manifest: dict, mode: str) -> bool:
+    """Check a complete cache against its checksums (integrity.py, recipe cache.verify); name each bad shard and
+    move it aside (`.corrupt`), so the build under the lock rebuilds exactly those. True when any was bad."""
+    bad = integrity.cache_problems(cache_path, manifest, mode)
+    for _, _, line in bad:
+        print(f"corrupt cache shard, to be rebuilt: {line}", flush=True)
+    integrity.quarantine(cache_path, manifest, bad)
+    return bool(bad)
+
+
+def bad_on_reuse(cache_path: Path, manifest: dict, mode: str, rank: int, world: int) -> bool:
+    """Before reusing a complete cache: rank 0 checks it (and sets bad shards aside); every rank learns the answer."""
+    bad = bad_shards_set_aside(cache_path, manifest, mode) if rank == 0 else False
+    if world > 1:
+        import torch.distributed as dist
+
+        on = devices.resolve("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: GPU tensors only
+        flag = torch.tensor([float(bad)], device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = bool(flag.item())
+    return bad
+
+
+def missing_shards(cache_path: Path, manifest: dict) -> dict[str, list[int]]:
+    """Per split, the indices of a complete cache's shards that are not there whole (moved aside, lost)."""
+    out = {}
+    for s in SPLITS:
+        gone = [i for i, sh in enumerate(manifest["splits"][s]["shards"])
+                if integrity.check_file(cache_path / s / sh["file"], sh, blocks=[])]
+        if gone:
+            out[s] = gone
+    return out
+
+
 # ---------------------------------------------------------------------------------------- the stage
 
 def cache_settings(recipe, store: list[str]) -> dict:
     """The cache keys that shape the shards: regenerate_* act through the corpus fingerprint, topk only when stored;
-    where the cache lives and how training reads it (dir, mode) do not shape it."""
+    where the cache lives, how training reads it and how it is checked (dir, mode, verify) do not shape it."""
     skip = {k for k in type(recipe.cache).model_fields if k.startswith("regenerate")} | (set() if "topk" in store else {"topk"})
-    return recipe.cache.model_dump(mode="json", exclude=skip | {"dir", "mode"})
+    return recipe.cache.model_dump(mode="json", exclude=skip | {"dir", "mode", "verify"})
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -336,7 +370,8 @@ def build_cache(recipe, corpus_path: Path, cache_path: Path | None, model=None, 
         manifest = read_manifest(cache_path)
         if manifest is not None and manifest.get("complete"):
             check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
-            return {**manifest, "_path": str(cache_path), "_reused": True, "_seconds": round(time.time() - t0, 2)}
+            if not bad_on_reuse(cache_path, manifest, recipe.cache.verify, rank, world):
+                return {**manifest, "_path": str(cache_path), "_reused": True, "_seconds": round(time.time() - t0, 2)}
         if rank == 0:  # one lock per run: rank 0 holds it for all ranks, which wait for it at the first barrier
             with _Lock(Path(shared_root) / f"{key}.lock"):
                 return _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerprints, settings,
@@ -350,13 +385,23 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
     if world > 1:
         _barrier()  # rank 0 holds the run's lock before anyone reads the manifest
     manifest = read_manifest(cache_path)
+    bad = {}  # split -> indices of a complete cache's shards to rebuild
     if manifest is not None:
         check_fingerprints(manifest["fingerprints"], fingerprints, cache_path)
         if manifest.get("complete"):
-            print(f"cache {cache_path} is complete and matches the recipe; nothing to do")
-            return {**manifest, "_path": str(cache_path)}
-        for s in SPLITS:
-            manifest["splits"][s]["shards"] = completed_shards(manifest, s, cache_path)
+            if rank == 0:
+                bad_shards_set_aside(cache_path, manifest, recipe.cache.verify)
+            if world > 1:
+                _barrier()  # bad shards are moved aside before any rank looks
+            bad = missing_shards(cache_path, manifest)
+            if not bad:
+                print(f"cache {cache_path} is complete, matches the recipe and its checksums; nothing to do")
+                return {**manifest, "_path": str(cache_path)}
+            if world > 1:
+                manifest["complete"] = False  # the ranked pass computes the shards that are not there whole
+        else:
+            for s in SPLITS:
+                manifest["splits"][s]["shards"] = completed_shards(manifest, s, cache_path)
     else:
         manifest = {
             "version": MANIFEST_VERSION, "fingerprints": fingerprints, "target_path": recipe.target.path,
@@ -386,10 +431,10 @@ def _build(recipe, dd, lengths, total_tokens, corpus_path, cache_path, fingerpri
     for s in SPLITS:
         (cache_path / s).mkdir(exist_ok=True)
         shards = manifest["splits"][s]["shards"]
-        for i in range(len(shards), len(plans[s])):
+        for i in [*bad.get(s, []), *range(len(shards), len(plans[s]))]:  # bad shards of a complete cache, then the rest
             tensors = compute_shard(model, dd[s], plans[s][i], lengths[s], settings, bar)
-            shards.append(write_shard(cache_path / s / shard_name(i), tensors))
-            computed_tokens += shards[-1]["tokens"]
+            shards[i:i + 1] = [write_shard(cache_path / s / shard_name(i), tensors)]  # replaces, or appends
+            computed_tokens += shards[i]["tokens"]
             write_manifest(cache_path, manifest)
     bar.close()
     manifest["complete"] = True

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
-from specdistill.target import pypi_asset
+from specdistill.target_files import pypi_asset
 
 SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".txt"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",

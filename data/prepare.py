@@ -35,6 +35,17 @@ def heldout(content, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def truncate(ids: list[int], mask: list[int], max_length: int, side: str = "right") -> tuple[list[int], list[int]]:
+    """A row cut to max_length tokens. right: its first max_length. left: where its first trained token lies
+    past half the window, the prompt is cut from the left so that it keeps max_length // 2 tokens of context
+    and the reply gets the rest (a long prompt no longer leaves the window without a trained token)."""
+    start = 0
+    if side == "left" and len(ids) > max_length:
+        first = next((i for i, m in enumerate(mask) if m), 0)
+        start = max(0, first - max_length // 2)
+    return ids[start:start + max_length], mask[start:start + max_length]
+
+
 def encode_rows(tokenizer, fmt: str, rows: list, cfg, skipped: Counter) -> list[dict]:
     """[(row, messages|text)] -> [{row, input_ids, loss_mask, messages}], truncated, filtered."""
     out = []
@@ -53,7 +64,7 @@ def encode_rows(tokenizer, fmt: str, rows: list, cfg, skipped: Counter) -> list[
                 continue
             ids, mask = got
             if not cfg.pack:
-                ids, mask = ids[:cfg.max_length], mask[:cfg.max_length]
+                ids, mask = truncate(ids, mask, cfg.max_length, cfg.truncate)
             if sum(mask) < cfg.min_assistant_tokens or not ids:
                 skipped["too_few_assistant_tokens"] += 1
                 continue

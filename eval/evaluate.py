@@ -7,6 +7,7 @@ checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_check
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,17 +16,17 @@ import torch
 from tqdm import tqdm
 
 from specdistill import device as devices
-from specdistill import kinds, layout
-from specdistill.eval import comparators
-from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
+from specdistill import integrity, kinds, layout, provenance
+from specdistill.eval import chain_tau, comparators, exactness
+from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
-from specdistill.eval.prompts import load_prompts
-from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics
+from specdistill.eval.prompts import load_prompts, load_tuning_prompts
+from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
-from specdistill.eval.summary import measure_costs, summarise_temperature, summarise_tree
+from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
 from specdistill.eval.tables import summary_line
 from specdistill.eval.tree import TreeDecoder
-from specdistill.formats import checkpoint_fingerprint, read_draft_config, write_eval
+from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.target import load_target, load_target_config, load_tokenizer
 
 
@@ -110,9 +111,49 @@ def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
     return found
 
 
+def tune_k(decoders: Decoders, tuning, reported: int, eval_cfg, temperature, label="") -> dict:
+    """best_k chosen on the tuning prompts (disjoint from the reported ones): baseline and every K decoded
+    there, the K with the highest measured speedup."""
+    chain_only = Decoders(decoders.target, decoders.draft, decoders.chain, decoders.baseline, None, decoders.eos,
+                          decoders.pad_id)
+    base_runs, spec_runs, _, _ = evaluate_temperature(chain_only, tuning, eval_cfg, temperature, [],
+                                                      label=f"{label} tuning")
+    base = merge_counts(base_runs)
+    speedup_by_k = {str(k): speedup_over(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
+    return {"best_k": best_k(speedup_by_k), "tuning_speedup_by_k": speedup_by_k,
+            "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} on "
+                           f"{len(tuning)} tuning prompts disjoint from the {reported} reported ones "
+                           "(eval.tuning_prompts)"}
+
+
 def transformers_greedy(target, prompts, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
     """transformers' own greedy generate() tokens for each prompt (untimed): the reference of lossless."""
     return [comparators.run_comparator("hf_generate", target, p.ids, max_new_tokens, eos, pad_id)[0] for p in prompts]
+
+
+def fp32_reference_model(target):
+    """The target in float32 for the lossless reference: itself when it is float32, else a float32 copy of the
+    weights it runs with (`run` loads the float32 target from disk instead)."""
+    return target if target.dtype == torch.float32 else copy.deepcopy(target).float()
+
+
+@torch.inference_mode()
+def reference_divergences(reference_model, prompts, reference: list[list[int]], runs_by_label: dict) -> list[dict]:
+    """Each of our T=0 decodes that differs from transformers' fp32 greedy output: the first differing position
+    and the gap between the reference model's top-2 logits there (a gap near 0 is a near-tie that fp32 and our
+    runtime's precision break differently, not a wrong engine)."""
+    found = []
+    for label, runs in runs_by_label.items():
+        for i, (run, want) in enumerate(zip(runs, reference)):
+            want = list(want)
+            if run.tokens == want:
+                continue
+            at = next((j for j, (a, b) in enumerate(zip(run.tokens, want)) if a != b), min(len(run.tokens), len(want)))
+            ids = torch.tensor([prompts[i].ids + want[:at]], device=reference_model.device)
+            logits = reference_model(ids).logits[0, -1].float()
+            top = logits.topk(2).values
+            found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
+    return found
 
 
 def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree_runs) -> tuple[bool, list[int]]:
@@ -126,13 +167,13 @@ def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
                         draft_kind: str, heldout: dict | None, with_comparators: bool = True,
                         reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
-                        runtime=None) -> dict:
+                        runtime=None, reference_model=None) -> dict:
     """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
-    `reference_tokens`: transformers' greedy generate() output per prompt (computed here when not given
-    and the hf_generate comparator did not run); `fingerprint`: checkpoint_fingerprint of the step dir;
+    `reference_tokens`: transformers' float32 greedy generate() output per prompt, by `reference_model` (the
+    float32 target; computed here when not given); `fingerprint`: checkpoint_fingerprint of the step dir;
     `runtime`: the target's runtime (eval/runtime.py; default: eval.runtime of the recipe).
     """
     cfg = recipe.eval
@@ -147,13 +188,21 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
 
+    ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
+    exact = exactness.verify_rows_match(runtime, prompts[0].ids, ks) if prompts else None
+    if exact is not None and not exact["exact"]:
+        print(f"warning: {runtime.name} is not batch-invariant on this machine (a verify row differs from its 1-token "
+              f"forward: {exact['checks']}); T=0 decodes may diverge from plain decoding", flush=True)
     costs = measure_costs(runtime, prompts, cfg, tree)
+    tuning = load_tuning_prompts(cfg, tokenizer)
     results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
         base_runs, spec_runs, comp, tree_runs = evaluate_temperature(decoders, prompts, cfg, temperature, names,
                                                                      label=checkpoint)
         result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
+        if tuning:
+            result.update(tune_k(decoders, tuning, len(prompts), cfg, temperature, label=checkpoint))
         if tree_runs:
             result["tree"] = summarise_tree(cfg.tree, base_runs, tree_runs)
         if temperature == 0:  # `lossless` stays strict; beside it, each divergence and how close a tie it was
@@ -166,19 +215,32 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
-            reference = (comp.get("hf_generate") or {}).get("outputs") or reference_tokens
+            reference_model = reference_model or fp32_reference_model(target)
+            reference = reference_tokens
             if reference is None:
-                reference = transformers_greedy(target, prompts, cfg.max_new_tokens, eos, pad_id)
-            result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs,
-                                                                                    tree_runs)
+                reference = transformers_greedy(reference_model, prompts, cfg.max_new_tokens, eos, pad_id)
+            # the chain (baseline and every K) and the tree are judged apart: a tree tie says nothing of the chain
+            result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs, [])
             result["transformers_mismatched_prompts"] = mismatched
+            chain_runs = {"baseline": base_runs, **{f"chain K={k}": runs for k, runs in spec_runs.items()}}
+            result["transformers_divergences"] = reference_divergences(reference_model, prompts, reference, chain_runs)
             result["lossless_vs_transformers_reference"] = (
-                f"transformers generate(), greedy, {str(target.dtype).removeprefix('torch.')} weights; a mismatch in "
-                "16-bit can be a near-tie resolved differently by other kernels (see transformers_mismatched_prompts)")
+                "transformers generate(), greedy, float32 weights (batch-invariant enough to be the reference); each "
+                "divergence of ours is listed with the reference's top-2 logit gap at its first differing token")
+            if tree_runs:
+                result["tree"]["lossless_vs_transformers"] = lossless_vs_reference(reference, [], {}, tree_runs)[0]
+                result["tree"]["transformers_divergences"] = reference_divergences(reference_model, prompts, reference,
+                                                                                    {"tree": tree_runs})
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
                 comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
+        plain = {"ours": result["baseline_tokens_per_s"]}
+        if "hf_generate" in comp_report and temperature == 0:  # generate() is timed at T=0 only
+            plain["hf_generate"] = comp_report["hf_generate"]["tokens_per_s"]
+        fastest = max(plain, key=plain.get)
+        result["fastest_plain"] = fastest
+        result["speedup_vs_fastest_plain"] = result["tokens_per_s"] / plain[fastest] if plain[fastest] else 0.0
     comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
                  f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
                  f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
@@ -192,7 +254,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
     coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
     offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
-    offline = {"heldout": heldout, "prompts": offline_prompts}
+    offline = {"heldout": heldout, "prompts": offline_prompts,
+               "chain_on_continuations": chain_tau.on_continuations(decoders.chain, [p.ids for p in prompts],
+                                                                    greedy_outputs, cfg.k, cfg.max_new_tokens)}
     if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
         t = min(sampled_outputs)
         offline["prompts_sampled"] = offline_on_prompts(
@@ -211,8 +275,11 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "hardware": devices.hardware(target.device),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
+        "exactness_check": exact,
         "costs": costs,
         "eval_settings": eval_settings(recipe),
+        "run_key": run_key(recipe, runtime.name),
+        "code_version": provenance.git_commit(),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "offline": offline,
         "results": results,
@@ -227,6 +294,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
 def run(recipe, args) -> list[Path]:
     which = getattr(args, "checkpoint", None) or recipe.eval.checkpoints
     steps = layout.select_checkpoints(recipe.run_dir, which)
+    for step_dir in steps:  # before minutes of loading: a corrupt checkpoint is refused with one line
+        integrity.check_checkpoint(step_dir, only=DRAFT_FILES)
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
@@ -235,11 +304,14 @@ def run(recipe, args) -> list[Path]:
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
-    reference = None
+    reference, reference_model = None, None
     if 0 in recipe.temperatures or 0.0 in recipe.temperatures:  # transformers' greedy tokens, once per run
         eos = eos_token_ids(target, tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-        reference = transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, pad_id)
+        # the lossless reference runs in float32, loaded from disk (not the runtime's cast weights)
+        reference_model = (target if target.dtype == torch.float32 else
+                           load_target(recipe.target.model_copy(update={"dtype": "float32"}), device=target.device))
+        reference = transformers_greedy(reference_model, prompts, recipe.eval.max_new_tokens, eos, pad_id)
     written = []
     for step_dir in steps:
         draft = kinds.load_draft(step_dir, target)
@@ -247,7 +319,8 @@ def run(recipe, args) -> list[Path]:
                                      read_draft_config(step_dir)["kind"], heldout_metrics(step_dir),
                                      # assisted generation is the one comparator that reads the draft
                                      with_comparators=step_dir == steps[-1] or comparators.assistant_of(draft) is not None,
-                                     reference_tokens=reference, fingerprint=checkpoint_fingerprint(step_dir),
+                                     reference_tokens=reference, reference_model=reference_model,
+                                     fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
-from specdistill.target import pypi_asset
+from specdistill.target_files import pypi_asset
 
 DEFAULT_FIELDS = ("turns", "prompt", "instruction", "question", "text")
 
@@ -84,3 +84,12 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 def load_prompts(eval_cfg, tokenizer) -> list[Prompt]:
     rows = read_prompt_rows(eval_cfg.prompts, eval_cfg.prompt_field, eval_cfg.num_prompts)
     return [Prompt(text, cat, encode_prompt(tokenizer, text)) for text, cat in rows]
+
+
+def load_tuning_prompts(eval_cfg, tokenizer) -> list[Prompt]:
+    """eval.tuning_prompts prompts after the reported ones in the same category spread: disjoint from them
+    (the spread's first num_prompts are exactly load_prompts'); fewer when the file runs out."""
+    if not eval_cfg.tuning_prompts:
+        return []
+    rows = read_prompt_rows(eval_cfg.prompts, eval_cfg.prompt_field, eval_cfg.num_prompts + eval_cfg.tuning_prompts)
+    return [Prompt(text, cat, encode_prompt(tokenizer, text)) for text, cat in rows[eval_cfg.num_prompts:]]

@@ -22,7 +22,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval.plots import (plot_alpha_vs_fkl, plot_alpha_vs_predicted, plot_comparators, plot_tau_vs_k,
                                     plot_tau_vs_tokens, plot_time_split)
 from specdistill.eval.results import (check_freshness, eval_settings, heldout_simulated_tau, load_evals, offline,
-                                      result_at, temperatures)
+                                      result_at, run_key, temperatures)
 from specdistill.eval.scaling import scaling_fits, scaling_points, scaling_section, scaling_summary
 from specdistill.eval.tables import (DASH, category_table, chain_vs_tree_table, checkpoint_table, ci, comparator_table,
                                      cost_table, coverage_section, label, methods_table, num, tau_k_table, time_table)
@@ -110,7 +110,9 @@ def run(recipe, args) -> None:
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
     runs = {name: load_evals(root / name) for name in names}
     for name in names:  # the recipe's own eval settings apply to its own run only
-        check_freshness(runs[name], root / name, eval_settings(recipe) if name == recipe.run_name else None)
+        own = name == recipe.run_name
+        check_freshness(runs[name], root / name, eval_settings(recipe) if own else None,
+                        run_key(recipe) if own else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdistill import layout
+from specdistill import layout, provenance
 from specdistill.errors import SpecdistillError
+from specdistill.eval.runtime_names import resolve_runtime_name
 from specdistill.formats import checkpoint_fingerprint, read_eval, read_metrics
 from specdistill.metrics import HELDOUT_EXTRA_KEYS, OFFLINE_KEYS, simulated_tau
+from specdistill.target_files import local_config
 
 
 def load_evals(run_dir: Path) -> list[dict]:
@@ -68,20 +70,32 @@ def temperatures(evals: list[dict]) -> list[float]:
 
 
 def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
-    """The held-out simulated tau (metrics.md) at the eval's K, from the per-depth acceptance training measured
-    (T=0: top1_at, T>0: alpha_at); depths past the unrolled ones repeat the deepest. None when not measured."""
+    """The held-out simulated tau at the eval's K: at T=0 the replayed chain (`chain_tau`) where training
+    measured it at that K; else the product formula (metrics.md) of the per-depth acceptance training measured
+    (T=0: top1_at, T>0: alpha_at; depths past the unrolled ones repeat the deepest). None when not measured."""
     held = (e.get("offline") or {}).get("heldout") or {}
+    chain = (held.get("chain_tau") or {}).get("0")
+    k_eval = k if k is not None else e.get("k")
+    if temperature == 0 and chain is not None and (k_eval is None or int(k_eval) == held.get("chain_k")):
+        return chain  # the chain replayed as decoding drafts it (eval/chain_tau.py), where training measured it
     per_depth = held.get("top1_at" if temperature == 0 else "alpha_at")
     if not per_depth:
         return None
     return simulated_tau(per_depth, int(k if k is not None else e.get("k") or len(per_depth)))
 
 
-def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None) -> None:
+def changed(had: dict, now: dict) -> list[str]:
+    """The keys whose value differs between what a result recorded and what the recipe asks now."""
+    return sorted(k for k in set(had) | set(now) if had.get(k) != now.get(k))
+
+
+def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None,
+                    run_key: dict | None = None) -> None:
     """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
 
     A result is the measurement of one checkpoint under one set of eval settings: one evaluated before a
-    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one."""
+    retraining, or under other settings (prompts, K, max_new_tokens...), must not pass for the current one;
+    nor one of another target, runtime or decoding code (`run_key`)."""
     for e in evals:
         reasons = []
         step_dir = run_dir / str(e.get("checkpoint"))
@@ -97,11 +111,16 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
             had = e.get("eval_settings")
             if had is None:
                 reasons.append("unverified: no eval settings recorded")
-            else:
-                diff = sorted(k for k in set(had) | set(eval_settings) if had.get(k) != eval_settings.get(k))
-                if diff:
-                    reasons.append("eval settings differ from the recipe's: " + ", ".join(
-                        f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+            elif diff := changed(had, eval_settings):
+                reasons.append("eval settings differ from the recipe's: " + ", ".join(
+                    f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+        if run_key is not None:
+            had = e.get("run_key")
+            if had is None:
+                reasons.append("unverified: no target / runtime / decoding code recorded (evaluated by an older version)")
+            elif diff := changed(had, run_key):
+                reasons.append("measured with another " + ", ".join(
+                    f"{k} ({had.get(k)!r} → {run_key.get(k)!r})" for k in diff))
         e["_stale"] = reasons
 
 
@@ -136,6 +155,22 @@ def checkpoint_tokens_seen(step_dir: Path) -> int | None:
 def eval_settings(recipe) -> dict:
     """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
     return recipe.eval.model_dump(mode="json")
+
+
+def run_key(recipe, runtime_name: str | None = None) -> dict:
+    """What else a result depends on besides its checkpoint and eval settings: the target (its recipe section),
+    the runtime eval.runtime resolved to, and the decoding code (a fingerprint of its files); the report marks a
+    result stale when any differs. runtime_name: the resolved runtime (else resolved from the target's config:
+    read as JSON where the target is on disk, so the report stays torch-free)."""
+    if runtime_name is None:
+        config = local_config(recipe.target)
+        if config is None:  # a hub id, a GGUF not dequantised yet: transformers reads (or fetches) it
+            from specdistill.target import load_target_config
+
+            config = load_target_config(recipe.target)
+        runtime_name = resolve_runtime_name(recipe.eval.runtime, config)
+    return {"target": recipe.target.model_dump(mode="json"), "runtime": runtime_name,
+            "decode_code": provenance.code_fingerprint()}
 
 
 def read_result(run_dir: Path, checkpoint: str) -> dict | None:

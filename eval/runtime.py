@@ -34,41 +34,13 @@ from transformers import DynamicCache
 
 from specdistill import device as devices
 from specdistill.errors import SpecdistillError
-from specdistill.target import DTYPES, SHORT_DTYPE
+from specdistill.eval.runtime_names import (  # noqa: F401  (parse_runtime, resolve_runtime_name: imported from here)
+    STATIC_MODEL_TYPES, parse_runtime, resolve_runtime_name, runtime_name, static_supports)
+from specdistill.target import DTYPES
 
-STATIC_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-FAMILIES = ("eager", "static", "compiled")
 # Forwards of at most this many new tokens (decode steps, verifies, trees) run compiled; longer ones are
 # prefills, whose length differs per prompt, and run eagerly rather than compile a graph per prompt.
 COMPILE_MAX_TOKENS = 64
-
-
-def runtime_name(family: str, dtype: str) -> str:
-    return f"{family}-{SHORT_DTYPE[dtype]}"
-
-
-def parse_runtime(name: str) -> tuple[str, str]:
-    """'static-bf16' -> ('static', 'bfloat16')."""
-    long = {short: dtype for dtype, short in SHORT_DTYPE.items()}
-    family, _, dt = name.partition("-")
-    if family not in FAMILIES or dt not in long:
-        raise SpecdistillError(f"eval.runtime {name!r}: expected one of "
-                               f"{', '.join(f + '-' + d for f in FAMILIES for d in long)}")
-    return family, long[dt]
-
-
-def resolve_runtime_name(name: str, config) -> str:
-    """`auto`: the static runtime in bf16 where it supports the architecture (the fastest exact runtime
-    measured by `make bench ARGS=runtime`), else transformers' forward in bf16."""
-    if name != "auto":
-        parse_runtime(name)
-        return name
-    return "static-bf16" if _static_supports(config) else "eager-bf16"
-
-
-def _static_supports(config) -> bool:
-    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    return config.model_type in STATIC_MODEL_TYPES and not sliding
 
 
 def make_runtime(model, name: str):
@@ -77,7 +49,7 @@ def make_runtime(model, name: str):
     family, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
     if family in ("static", "compiled"):
-        if not _static_supports(model.config):
+        if not static_supports(model.config):
             raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
                                    f"without sliding-window attention, not this '{model.config.model_type}'; "
                                    f"use eager-{name.split('-')[1]}")

@@ -42,7 +42,8 @@ def scaling_points(name: str, evals: list[dict], run_dir: Path | None = None) ->
         metrics = checkpoint_metrics(step_dir)
         if metrics.get("tokens_seen") is not None:
             pt["tokens_seen"] = metrics["tokens_seen"]
-        if isinstance(metrics.get("heldout"), dict) and metrics["heldout"].get("top1_at"):
+        if isinstance(metrics.get("heldout"), dict) and (metrics["heldout"].get("top1_at")
+                                                         or metrics["heldout"].get("chain_tau")):
             pt["heldout"] = metrics["heldout"]
     out = []
     for pt in points.values():
@@ -168,7 +169,7 @@ def scaling_section(points: list[dict], fits: list[dict], many_runs: bool, figur
                    f"train/loop.py recorded it in metrics.json): left out of the plot and the fits: {names}. "
                    "Retrain (or train on) to record it.")
     return f"""## How much data buys how much τ
-Every checkpoint's held-out simulated τ (1 + Σₖ Πᵢ≤ₖ top1_atᵢ at the run's eval K, from its metrics.json) and
+Every checkpoint's held-out simulated τ (the T=0 chain replayed at the run's eval K, `chain_tau`; checkpoints trained before it was measured: 1 + Σₖ Πᵢ≤ₖ top1_atᵢ, optimistic; from its metrics.json) and
 measured τ (real chain decoding at T=0 on the eval prompts, eval K) against the training tokens it had seen
 (`tokens_seen`: cumulative non-pad tokens over all ranks). Per series, a least-squares fit of the saturating
 curve τ(N) = τ∞ − c·N^(−b) (τ∞ ≥ 1, c ≥ 0, b > 0). **Beyond the largest N seen the curve is an extrapolation**

@@ -11,7 +11,8 @@ from specdistill.eval.engine import merge_counts
 from specdistill.eval.runtime import forward_costs
 
 
-def _speedup(spec: dict, base: dict) -> float:
+def speedup_over(spec: dict, base: dict) -> float:
+    """Tokens/s of merged decodes `spec` over those of `base` (engine.merge_counts)."""
     return spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
 
 
@@ -54,7 +55,7 @@ def summarise_tree(tree_cfg, base_runs, tree_runs) -> dict:
     """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
     t, base = merge_counts(tree_runs), merge_counts(base_runs)
     return {"shape": tree_cfg.model_dump(exclude_none=True), "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
-            "speedup": _speedup(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
+            "speedup": speedup_over(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
             "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
             "nodes_per_step": sum(r.nodes for r in tree_runs) / max(1, t["steps"]),
             "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
@@ -71,31 +72,34 @@ def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed:
     """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
 
     Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
-    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s)
-           for s, b in zip(spec_runs, base_runs)]
+    first = lambda counts: counts[0] if counts else 0  # noqa: E731  (depth 0: the first drafted token)
+    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s,
+            first(s.accepted), first(s.tested)) for s, b in zip(spec_runs, base_runs)]
     n = len(per)
     if n == 0:
-        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None}
+        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None, "alpha_first_ci95": None}
     rng = random.Random(seed)
-    taus, alphas, speedups = [], [], []
+    taus, alphas, speedups, firsts = [], [], [], []
     for _ in range(samples):
         pick = [per[rng.randrange(n)] for _ in range(n)]
-        tok, steps, acc, tested, secs, btok, bsecs = (sum(x) for x in zip(*pick))
+        tok, steps, acc, tested, secs, btok, bsecs, acc0, tested0 = (sum(x) for x in zip(*pick))
         taus.append(tok / steps if steps else 0.0)
         alphas.append(acc / tested if tested else 0.0)
         speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
+        firsts.append(acc0 / tested0 if tested0 else 0.0)
 
     def interval(xs):
         xs = sorted(xs)
         return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
 
-    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups)}
+    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups),
+            "alpha_first_ci95": interval(firsts)}
 
 
 def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, costs: dict | None = None) -> dict:
     """costs: the runtime's measured forward cost curve (`measure_costs`), for d and the predicted speedups."""
     base, spec = merge_counts(base_runs), merge_counts(spec_runs[main_k])
-    speedup_by_k = {str(k): _speedup(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
+    speedup_by_k = {str(k): speedup_over(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
     tau_by_k = {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())}
     k_best = best_k(speedup_by_k)
     lossless = None
@@ -106,13 +110,14 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, co
         idx = [i for i, p in enumerate(prompts) if p.category == cat]
         s = merge_counts([spec_runs[main_k][i] for i in idx])
         b = merge_counts([base_runs[i] for i in idx])
-        per_category[cat] = {"tau": s["tau"], "alpha": s["alpha"], "speedup": _speedup(s, b), "num_prompts": len(idx)}
+        per_category[cat] = {"tau": s["tau"], "alpha": s["alpha"], "speedup": speedup_over(s, b), "num_prompts": len(idx)}
     return {
         "temperature": temperature,
         "tau": spec["tau"],
         "alpha": spec["alpha"],
         "alpha_at": spec["alpha_at"],
-        "speedup": _speedup(spec, base),
+        "tested_at": spec["tested_at"],
+        "speedup": speedup_over(spec, base),
         "tokens_per_s": spec["tokens_per_s"],
         "baseline_tokens_per_s": base["tokens_per_s"],
         "lossless": lossless,
@@ -125,10 +130,11 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, co
         "speedup_by_k": speedup_by_k,
         **cost_terms(spec, tau_by_k, costs),
         "best_k": k_best,
-        "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} "
-                       "(eval.k and eval.k_sweep, same prompts, same run)",
+        "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} on the "
+                       "reported prompts themselves (not a held-out choice: set eval.tuning_prompts)",
         "predicted_tau_leviathan": metrics.leviathan_tau(spec["alpha"], main_k),
         **bootstrap_ci95(base_runs, spec_runs[main_k]),
+        "ci95_by_k": {str(k): bootstrap_ci95(base_runs, runs) for k, runs in sorted(spec_runs.items())},
         "ci_method": CI_NOTE,
         "tokens": spec["tokens"],
         "steps": spec["steps"],

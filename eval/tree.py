@@ -50,6 +50,7 @@ from specdistill.eval.engine import (DecodeResult, SpeculativeDecoder, Target, V
                                      make_drafter)
 from specdistill.eval.runtime import StaticRuntime, additive, crop_cache, new_cache
 from specdistill.recipe import DynamicTree, TreeConfig
+from specdistill.target import vocab_size_of
 
 
 @dataclass
@@ -242,7 +243,8 @@ class TreeStepper:
     forward with a tree mask, walk the greedy path."""
 
     def __init__(self, drafter, shape: TreeShape):
-        self.drafter = TreeDrafter(drafter)
+        # a kind whose heads draft trees their own way (Medusa: top-k per head) brings its tree drafter
+        self.drafter = drafter.tree_drafter() if hasattr(drafter, "tree_drafter") else TreeDrafter(drafter)
         self.shape = shape
 
     def reset(self, capacity: int) -> None:
@@ -280,7 +282,8 @@ class TreeDecoder:
             raise SpecdistillError(f"tree decoding needs a draft of a kind that drafts trees ({', '.join(trees)}), "
                                    f"got {type(head).__name__}")
         self.shape = parse_tree(tree)
-        draft_vocab = head.lm_head.weight.shape[0]
+        ids = kinds.kind_of(head).draft_vocabulary(head)
+        draft_vocab = ids.numel() if ids is not None else vocab_size_of(head)
         widest = max((p[-1] + 1 for p in self.shape.paths), default=self.shape.top_k)
         if widest > draft_vocab:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")

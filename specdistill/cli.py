@@ -8,12 +8,13 @@ on the command line, before or after the options (`parse_intermixed_args`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 
 from specdistill import kinds
-from specdistill.errors import SpecdistillError
+from specdistill.errors import Preempted, SpecdistillError
 from specdistill.recipe import load_recipe
 
 # stage -> (module, one-line help, extra arguments)
@@ -29,9 +30,15 @@ STAGES = {
                [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
                 ("--format", dict(default=None, help=f"{', '.join(kinds.export_formats())} (default: the recipe's)"))]),
     "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
+    "verify": ("specdistill.verify_stage", "check a run's cache, checkpoints and exports against their checksums; "
+               "name every bad file",
+               [("--full", dict(action="store_true", help="hash every byte of the cache (default: sizes, headers and "
+                                                            "a sample of the data, as cache.verify: sample)"))]),
 }
 # Stages that accept --restart (start the run over instead of refusing changed settings).
 RESTARTABLE = {"train"}
+# Stages that write into a run: one at a time per run and stage (specdistill/runlock.py).
+ONE_WRITER = {"train", "eval"}
 
 
 def build_parser(subparsers: dict | None = None) -> argparse.ArgumentParser:
@@ -76,6 +83,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def strict_device_from_env():
+    """SPECDISTILL_STRICT_DEVICE=1 (make gpu-check): the stage runs under device.strict_device(), where a tensor
+    made without device= stops it, naming file:line. torch is imported only then: `config` and `report` run
+    without it."""
+    if os.environ.get("SPECDISTILL_STRICT_DEVICE", "") in ("", "0"):
+        return contextlib.nullcontext()
+    from specdistill import device
+
+    return device.strict_device()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.stage is None:
@@ -84,7 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         module = importlib.import_module(STAGES[args.stage][0])
-        module.run(recipe, args)
+        strict = strict_device_from_env()
+        if args.stage in ONE_WRITER:
+            from specdistill import runlock
+
+            lock = runlock.hold(recipe.run_dir, args.stage)
+        else:
+            lock = contextlib.nullcontext()
+        with lock, strict:
+            module.run(recipe, args)
+    except Preempted as e:  # stopped on request after saving: not an error, but not done either
+        print(f"specdistill {args.stage}: {e}", file=sys.stderr)
+        return Preempted.EXIT_CODE
     except SpecdistillError as e:
         print(f"specdistill {args.stage}: error: {e}", file=sys.stderr)
         return 1

@@ -119,15 +119,36 @@ def hardware(device=None) -> dict:
     return out
 
 
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory(device) -> dict:
-    """Peak memory so far: the process's resident set (host) and, on CUDA, the allocator's peak."""
+    """Peak memory since the start or the last `reset_peak_memory`: the process's resident set (host; its
+    child processes not included) and, on CUDA, the allocator's peak."""
     import resource
 
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    rss_kib = _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     out = {"host_peak_rss_gib": round(rss_kib / 2**20, 3)}
     if torch.device(device).type == "cuda":
         out["device_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return out
+
+
+def reset_peak_memory(device) -> None:
+    """Start a new peak: the host's (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and the device's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux, or not allowed: the host peak stays the process's
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 # ---- strict-device test mode -------------------------------------------------------------------
@@ -177,8 +198,3 @@ def strict_device():
     """Inside: a project tensor factory without `device=` raises StrictDeviceError naming file and line."""
     with _StrictDevice():
         yield
-
-
-def strict_from_env() -> bool:
-    """SPECDISTILL_STRICT_DEVICE=1 turns the strict mode on for a whole command (make gpu-check uses it)."""
-    return os.environ.get("SPECDISTILL_STRICT_DEVICE", "") not in ("", "0")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from specdistill import faults, integrity
 from specdistill.errors import SpecdistillError
 
 if TYPE_CHECKING:
@@ -38,7 +39,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError as e:  # disk full: the old file stays whole, no temp file is left
+        tmp.unlink(missing_ok=True)
+        raise SpecdistillError(faults.write_failed(path, e, "the previous version is kept; rerun once there is room")) from None
     os.replace(tmp, path)
 
 
@@ -123,12 +128,19 @@ def shard_name(i: int) -> str:
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """One cache shard (whole sequences on a flat token axis, with `seq_lens`), written under a temp name
-    and renamed; returns its manifest entry."""
+    and renamed; returns its manifest entry (with the checksums integrity.py reads back). A failed write
+    (disk full) leaves no temp file behind and stops with one line."""
     tmp = path.with_name(path.name + ".tmp")
-    write_safetensors(tmp, tensors)
+    try:
+        faults.point("shard", int(path.stem.rsplit("-", 1)[-1]))
+        write_safetensors(tmp, tensors)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise SpecdistillError(faults.write_failed(path, e, "rerun `specdistill cache` once there is room: it "
+                                                   "resumes after the last complete shard")) from None
     os.replace(tmp, path)
     return {"file": path.name, "sequences": int(tensors["seq_lens"].numel()),
-            "tokens": int(tensors["input_ids"].numel()), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            "tokens": int(tensors["input_ids"].numel()), **integrity.file_digest(path)}
 
 
 def read_shard(path: Path, keys=None) -> dict[str, torch.Tensor]:
@@ -158,25 +170,20 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     save_file(tensors, str(path), metadata=metadata)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---- checkpoint ---------------------------------------------------------------------------------------
 
 def write_checkpoint(step_dir: Path, own_state: dict[str, torch.Tensor], draft_config: dict, metrics: dict) -> None:
-    """The draft's files of a checkpoint, COMPLETE last. draft_config: {kind, config (the draft's own
-    config dict), step, ...}; metrics: {step, heldout: {...}, ...}."""
+    """The draft's files of a checkpoint, COMPLETE last: it records the size and sha256 of every file in
+    step_dir (DeepSpeed's ds/ included when it was written first), which readers check before trusting
+    the checkpoint. draft_config: {kind, config (the draft's own config dict), step, ...}; metrics:
+    {step, heldout: {...}, ...}."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(step_dir / "draft.safetensors", {k: v.detach().cpu().contiguous() for k, v in own_state.items()})
     write_json_atomic(step_dir / "draft_config.json", draft_config)
     write_json_atomic(step_dir / "metrics.json", metrics)
-    (step_dir / "COMPLETE").write_text(f"{draft_config.get('step')}\n")
+    files = integrity.digest_tree(step_dir, skip=("COMPLETE",))
+    write_json_atomic(step_dir / "COMPLETE", {"step": draft_config.get("step"), "files": files})
 
 
 def read_draft_config(step_dir: Path) -> dict:
@@ -192,17 +199,21 @@ def read_draft_config(step_dir: Path) -> dict:
 
 
 def read_checkpoint(step_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(draft_config, the draft's own tensors) of a complete checkpoint."""
+    """(draft_config, the draft's own tensors) of a complete checkpoint whose draft files match their checksums."""
     step_dir = Path(step_dir)
     if not (step_dir / "COMPLETE").exists():
         raise SpecdistillError(f"{step_dir}: checkpoint is incomplete (no COMPLETE marker)")
+    integrity.check_checkpoint(step_dir, only=DRAFT_FILES)
     return read_draft_config(step_dir), read_safetensors(step_dir / "draft.safetensors")
+
+
+DRAFT_FILES = ("draft.safetensors", "draft_config.json", "metrics.json")  # what eval and export read
 
 
 def checkpoint_fingerprint(step_dir: Path) -> str:
     """sha256 (16 hex) of what defines a checkpoint: its weights, its config and its offline metrics."""
     h = hashlib.sha256()
-    for name in ("draft.safetensors", "draft_config.json", "metrics.json"):
+    for name in DRAFT_FILES:
         f = Path(step_dir) / name
         h.update(name.encode())
         if f.is_file():
@@ -254,6 +265,7 @@ def read_released_head(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (d / "config.json").is_file():
         raise SpecdistillError(f"draft.init_from {path}: expected a directory with config.json and *.safetensors "
                                f"(a released or exported head)")
+    integrity.check_export(d, "draft.init_from: ")  # an export of ours carries SHA256SUMS: a corrupt one is refused
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise SpecdistillError(f"draft.init_from {path}: no .safetensors weight files")

@@ -21,7 +21,9 @@ NAMES = DIVERGENCES + ("argmax_ce",)  # every loss term a recipe may weight
 OFFLINE_KEYS = ("fkl", "tvd", "predicted_alpha", "top1")
 # ... and what else they read from the held-out metrics: distribution labels and per-depth acceptance.
 HELDOUT_EXTRA_KEYS = ("positions", "distribution", "labels", "vocab_coverage", "top1_at", "alpha_at", "positions_at",
-                      "simulated_tau", "simulated_tau_note")
+                      "simulated_tau", "simulated_tau_note",
+                      # the T=0 chain replayed as decoding drafts it (eval/chain_tau.py)
+                      "chain_tau", "chain_accepted_at", "chain_k", "chain_positions", "chain_tau_note")
 
 
 def kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -34,6 +36,12 @@ def kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """tvd = 1/2 sum_x |p - q| of two distributions (probabilities) over the last axis."""
     return 0.5 * (p - q).abs().sum(-1)
+
+
+def total_variation_outside(p: torch.Tensor, p_in: torch.Tensor, q_in: torch.Tensor) -> torch.Tensor:
+    """tvd of p against a q that is zero outside a reduced vocabulary (EAGLE-3's draft vocabulary), without q
+    over the full vocabulary: p_in = p over the reduced vocabulary, q_in = q there. Outside it |p - q| = p."""
+    return 0.5 * ((p.sum(-1) - p_in.sum(-1)) + (p_in - q_in).abs().sum(-1))
 
 
 def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -89,7 +97,9 @@ def leviathan_tau(alpha: float, k: int) -> float:
 
 
 def simulated_tau(alpha_at: list[float], k: int | None = None) -> float:
-    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (metrics.md); depths past the measured ones repeat the last one."""
+    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (metrics.md); depths past the measured ones repeat the last one.
+    Fed with rates taken unconditionally along teacher-forced text it is optimistic; the chain replayed as
+    decoding drafts it is eval/chain_tau.py."""
     k = len(alpha_at) if k is None else k
     total, run = 1.0, 1.0
     for j in range(k):

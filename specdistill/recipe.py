@@ -38,6 +38,9 @@ class CorpusConfig(Section):
     hub_split: str = "train"
     max_rows: int | None = Field(None, ge=1)
     max_length: int = Field(1024, ge=8)
+    truncate: Literal["right", "left"] = Field("right", description="a row longer than max_length: keep its first "
+                                               "max_length tokens (right), or cut a long prompt from the left so the "
+                                               "first reply token sits at max_length // 2 (left; data/prepare.py)")
     pack: bool = False
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     on_bad_row: Literal["error", "skip"] = Field("error", description="a malformed row or a conversation whose "
@@ -59,6 +62,10 @@ class CacheConfig(Section):
     topk: int = Field(32, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     shard_tokens: int = Field(65536, ge=16)
+    verify: Literal["sample", "full", "none"] = Field(
+        "sample", description="how a cache is checked against its checksums when it is reused and when training opens "
+                              "it: sizes and safetensors headers always; the data in full, or by a random 1/64 of it "
+                              "(all of a cache under 256 MiB), or not (specdistill/integrity.py)")
     batch_tokens: int = Field(4096, ge=16)
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
@@ -87,6 +94,9 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(4, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr: float = Field(3e-4, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw; or muon: DeepSpeed's Muon on the head's "
+                                                "matrices (not embeddings / lm_head) at muon_lr, AdamW at lr on the rest")
+    muon_lr: float = Field(0.02, gt=0, description="optimizer muon: the learning rate of the Muon half")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -97,6 +107,8 @@ class TrainConfig(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     heldout_batches: int = Field(8, ge=1, description="batches of the held-out split per offline evaluation")
+    heldout_chain_positions: int = Field(1024, ge=0, description="held-out positions at which each checkpoint's "
+                                         "chain of eval.k drafts is replayed (`chain_tau`, eval/chain_tau.py); 0: none")
     keep_last: int | None = Field(None, ge=1, description="keep the optimizer (DeepSpeed) state of the last N "
                                   "checkpoints only; older ones keep weights and metrics; None: keep all")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
@@ -160,6 +172,8 @@ class EvalConfig(Section):
     temperature: float | list[float] = Field(0.0, description="one temperature or a list")
     k: int = Field(4, ge=1)
     k_sweep: list[int] = Field(default_factory=list, description="extra K values to measure tau per K")
+    tuning_prompts: int = Field(0, ge=0, description="prompts, disjoint from the reported ones (the next ones of "
+                                "the same file), on which best_k is chosen; 0: chosen on the reported prompts")
     checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
                                                              "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True

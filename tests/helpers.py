@@ -8,10 +8,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from specdistill.eval.engine import SpeculativeDecoder
-from specdistill.eval.sampling import accept_mask, residual, sample
 from specdistill.recipe import load_recipe
 from specdistill.kinds.eagle.model import EagleHead
-from specdistill.kinds.common.released import check_head_weights
+from specdistill.kinds.common.weights import check_head_weights
 from specdistill.kinds.eagle.formats import check_config_fits
 from specdistill.kinds.eagle.model import scale_embedding_half
 
@@ -27,20 +26,6 @@ def tiny_recipe(tmp_path: Path, target_dir: Path, eval_section: str = "{k: 3}"):
 def decode_baseline(target_model, prompt_ids, max_new_tokens, temperature=0.0, generator=None, eos_ids=()):
     """Plain autoregressive decoding through the engine (K = 0)."""
     return SpeculativeDecoder(target_model, None, 0, eos_ids).decode(prompt_ids, max_new_tokens, temperature, generator)
-
-
-def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                       generator: torch.Generator | None = None, residual_fn=residual):
-    """One draft position, batched: p, q [B, V], draft [B] -> (token [B], accepted [B] bool).
-
-    `residual_fn` is a parameter only so the tests can show that a wrong rule fails them.
-    """
-    rows = torch.arange(draft.shape[0])
-    u = torch.rand(draft.shape, generator=generator)
-    accepted = accept_mask(p[rows, draft], q[rows, draft], u)
-    replacement = sample(residual_fn(p, q), generator)
-    return torch.where(accepted, draft, replacement), accepted
-
 
 
 def load_vllm_eagle(export_dir: Path, target_model):

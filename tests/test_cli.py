@@ -62,3 +62,19 @@ def test_output_dir_in_the_recipe_wins_over_the_default(recipe_file, tmp_path):
     assert r.run_dir.name == "r" and r.output_dir is None
     r = load_recipe(recipe_file, [f"output_dir={tmp_path}/runs"])
     assert r.run_dir == Path(tmp_path) / "runs" / "r"
+
+
+def test_strict_device_env_wraps_the_stage(recipe_file, monkeypatch):
+    """SPECDISTILL_STRICT_DEVICE=1 (make gpu-check) runs the stage in device.strict_device(): a tensor made in
+    project code without device= stops it, naming file:line; without the variable the same stage runs."""
+    from specdistill import config_stage, device
+
+    where = device.PROJECT_ROOT / "specdistill" / "probe_stage.py"  # a stage of the project (never written)
+    namespace = {}
+    exec(compile("import torch\ndef run(recipe, args):\n    torch.zeros(1)\n", str(where), "exec"), namespace)
+    monkeypatch.setattr(config_stage, "run", namespace["run"])
+    monkeypatch.delenv("SPECDISTILL_STRICT_DEVICE", raising=False)
+    assert main(["config", "--recipe", str(recipe_file)]) == 0
+    monkeypatch.setenv("SPECDISTILL_STRICT_DEVICE", "1")
+    with pytest.raises(device.StrictDeviceError, match=r"specdistill/probe_stage\.py:3: torch\.zeros"):
+        main(["config", "--recipe", str(recipe_file)])

@@ -1,6 +1,8 @@
 """specdistill/device.py: the one device setting, the synchronising clock, generators, hardware, strict mode."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -63,3 +65,16 @@ def test_strict_mode_names_file_and_line_of_a_project_factory_without_device():
         exec(good, ns)
         assert ns["good"]().shape == (3,)
         torch.zeros(3)  # the tests' own tensors are not the project's: allowed
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's resettable peak (VmHWM)")
+def test_peak_memory_resets_between_stages():
+    """make bench reports each benchmark's own peak: a big allocation shows in the peak, a reset clears it."""
+    device.reset_peak_memory("cpu")  # the peak of whatever ran before in this process
+    base = device.peak_memory("cpu")["host_peak_rss_gib"]
+    big = torch.ones(512 * 2**20 // 4)  # 512 MiB, touched
+    grown = device.peak_memory("cpu")["host_peak_rss_gib"]
+    assert grown >= base + 0.4
+    del big
+    device.reset_peak_memory("cpu")
+    assert device.peak_memory("cpu")["host_peak_rss_gib"] < grown - 0.4

@@ -123,6 +123,10 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     tb.Reload()
     sim = tb.Scalars("heldout/simulated_tau/T0")
     assert [e.step for e in sim] == [3, 6] and sim[-1].value == pytest.approx(metrics["simulated_tau"]["0"])
+    chain = tb.Scalars("heldout/chain_tau/T0")  # the chain replayed as decoding drafts it (eval/chain_tau.py)
+    assert [e.step for e in chain] == [3, 6] and chain[-1].value == pytest.approx(metrics["chain_tau"]["0"])
+    assert metrics["chain_k"] == recipe.eval.k and metrics["chain_positions"] > 0
+    assert 1.0 <= metrics["chain_tau"]["0"] <= 1 + recipe.eval.k
     target = load_target(recipe.target)
     head = load_draft(steps[-1], target)
     assert isinstance(head, Eagle3Head) and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
@@ -185,3 +189,30 @@ def test_other_targets_get_a_llama_layer_initialised_from_their_last_layer(tmp_p
         head.bind_target(target.get_input_embeddings())
         state = torch.randn(1, 5, 64)
         assert head(torch.randint(0, 300, (1, 5)), state, torch.arange(5)[None]).shape == (1, 5, 64)
+
+
+def test_frozen_readout_stays_the_targets_rows(tmp_path, tiny_target_dir, monkeypatch):
+    """draft.freeze_lm_head: the readout keeps the target's LM-head rows of the draft vocabulary; the rest trains."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import specdistill.recipe as recipe_mod
+    from specdistill import layout
+    from specdistill.train.loop import train
+    from tests.test_train import make_recipe, write_cache
+
+    monkeypatch.setattr(recipe_mod, "CHECKPOINTS", tmp_path / "checkpoints")
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    moved = {}
+    for frozen in (True, False):
+        recipe = make_recipe(tmp_path, tiny_target_dir, f"e3-{frozen}", kind="eagle3", max_steps=2, save_every=2)
+        recipe.draft.draft_vocab_size, recipe.draft.ttt_steps, recipe.draft.freeze_lm_head = 128, 2, frozen
+        recipe.cache.aux_layers = [0, 1, 2]
+        recipe.train.heldout_chain_positions = 0
+        write_cache(recipe.run_dir, tiny_target_dir, n_train=4)
+        add_aux_states(recipe.run_dir, tiny_target_dir, [0, 1, 2])
+        train(recipe)
+        w = load_file(str(layout.checkpoints(recipe.run_dir)[-1] / "draft.safetensors"))
+        start = target.lm_head.weight[w["t2d"].bool()]  # the readout's start: the target's rows, in id order
+        moved[frozen] = (w["lm_head.weight"] - start).abs().max().item()
+    assert moved[True] == 0.0 and moved[False] > 0  # frozen: exactly the target's rows; else trained

@@ -56,6 +56,17 @@ def write_eagle_checkpoint(recipe, target, step: int, tokens_seen: int | None = 
     return d
 
 
+def check_consistent(r: dict, k: int) -> None:
+    """What a result's numbers must satisfy whatever was decoded: tau is tokens over steps and at most K+1, the
+    main K's entry of every per-K table is the headline number, speedup is the ratio of the two throughputs,
+    alpha lies in [0, 1] and is the pooled alpha_at."""
+    assert r["tau"] == pytest.approx(r["tokens"] / r["steps"]) and 1.0 <= r["tau"] <= k + 1, r["tau"]
+    assert r["tau_by_k"][str(k)] == r["tau"] and r["speedup_by_k"][str(k)] == r["speedup"]
+    assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
+    assert 0.0 <= r["alpha"] <= 1.0 and len(r["alpha_at"]) == k
+    assert r["alpha"] == pytest.approx(sum(a * t for a, t in zip(r["alpha_at"], r["tested_at"])) / sum(r["tested_at"]))
+
+
 def test_eval_stage_end_to_end(setup, capsys):
     recipe, target = setup
     write_eagle_checkpoint(recipe, target, 1)
@@ -79,12 +90,19 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert report["vocab_coverage_eval"] is None and report["draft_vocab_size"] is None
     assert "vocab_coverage" not in report["offline"]["prompts"]
 
+    exact = report["exactness_check"]  # observed before measuring, for every K decoded with
+    assert exact["exact"] is True and [c["k"] for c in exact["checks"]] == [1, 2, 3]
+    assert report["run_key"] == evaluate.run_key(recipe, report["runtime"])
     greedy, sampled = report["results"]
     for r in (greedy, sampled):
         assert RESULT_KEYS <= set(r)
+        assert set(r["ci95_by_k"]) == {"1", "2", "3"} and r["ci95_by_k"]["3"]["tau_ci95"] == r["tau_ci95"]
+        low, high = r["alpha_first_ci95"]
+        assert low <= r["alpha_at"][0] <= high
+        assert "reported prompts themselves" in r["best_k_from"]  # no tuning prompts: said so
         assert set(r["tau_by_k"]) == {"1", "2", "3"}
         assert len(r["alpha_at"]) == 3 and 1 <= r["best_k"] <= 3
-        assert 1.0 <= r["tau"] <= 4.0 and r["speedup"] > 0
+        check_consistent(r, report["k"])
         assert set(r["per_category"]) == {"writing", "math"}
         assert r["per_category"]["writing"]["num_prompts"] == 2
         for key in ("tau", "alpha", "speedup"):
@@ -98,11 +116,38 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert "sampled" in report["offline"]["prompts_sampled"]["continuations"]
     assert sampled["temperature"] == 1.0 and sampled["lossless"] is None
     assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup"}  # no assisted for eagle
-    assert all(c["speedup"] > 0 for c in report["comparators"].values())
+    fastest = max(greedy["baseline_tokens_per_s"], report["comparators"]["hf_generate"]["tokens_per_s"])
+    assert greedy["speedup_vs_fastest_plain"] == pytest.approx(greedy["tokens_per_s"] / fastest)
+    assert sampled["fastest_plain"] == "ours"  # generate() is timed at T=0 only
+    for c in report["comparators"].values():  # each comparator's speedup is its throughput over our baseline's
+        assert c["tokens_per_s"] > 0 and c["speedup"] == pytest.approx(c["tokens_per_s"] / greedy["baseline_tokens_per_s"])
 
     out = capsys.readouterr().out
     assert "step-0000002 T=0 K=3: tau" in out and "lossless yes" in out and "step-0000002 T=1" in out
     assert not list(written[0].parent.glob("*.tmp"))
+
+
+def test_best_k_is_chosen_on_tuning_prompts_disjoint_from_the_reported_ones(setup, monkeypatch):
+    from specdistill.eval import engine as engine_mod
+
+    recipe, target, tokenizer, _ = greedy_chain_only(setup)
+    recipe.eval.num_prompts, recipe.eval.tuning_prompts, recipe.eval.k_sweep = 2, 1, [1]
+    prompts, tuning = load_prompts(recipe.eval, tokenizer), evaluate.load_tuning_prompts(recipe.eval, tokenizer)
+    assert len(tuning) == 1 and tuning[0].text not in {p.text for p in prompts}
+    seen = []
+    real_decode = engine_mod.SpeculativeDecoder.decode
+
+    def recording(self, prompt_ids, max_new_tokens, *args, **kwargs):
+        seen.append(list(prompt_ids))
+        return real_decode(self, prompt_ids, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
+    draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
+    (r,) = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"]
+    assert tuning[0].ids in seen  # the tuning prompt was decoded ...
+    assert set(r["tuning_speedup_by_k"]) == {"1", "3"} and r["best_k"] == evaluate.best_k(r["tuning_speedup_by_k"])
+    assert "on 1 tuning prompts disjoint from the 2 reported ones" in r["best_k_from"]
+    assert sum(c["num_prompts"] for c in r["per_category"].values()) == 2  # ... and not reported
 
 
 def test_draft_lm_with_assisted_comparator(setup):
@@ -313,6 +358,20 @@ def test_lossless_vs_transformers_catches_a_shared_bug(setup, monkeypatch):
     r = report["results"][0]
     assert r["lossless"] is True and r["lossless_vs_transformers"] is False
     assert r["transformers_mismatched_prompts"] == [1]
+
+
+def test_bootstrap_resamples_prompts_in_pairs():
+    """Prompt i's speculative run is paired with prompt i's baseline run: with baseline times that vary 10x
+    between prompts and every prompt exactly 2x faster speculatively, every resample's speedup is exactly 2
+    (resampling the two sides independently would spread it over roughly [1, 4])."""
+    from specdistill.eval.engine import DecodeResult
+
+    def run(secs, steps):
+        return DecodeResult(tokens=[0] * 10, steps=steps, accepted=[0], tested=[0], total_s=secs)
+
+    secs = [1.0, 10.0, 2.0, 8.0, 0.5, 5.0, 3.0, 9.0]
+    ci = evaluate.bootstrap_ci95([run(s, 10) for s in secs], [run(s / 2, 5) for s in secs])
+    assert ci["speedup_ci95"] == [pytest.approx(2.0), pytest.approx(2.0)], ci
 
 
 def test_bootstrap_interval_covers_the_spread_of_prompts():

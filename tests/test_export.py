@@ -114,7 +114,7 @@ def test_vllm_eagle_matches_vllm_loader_table(setup):
     make_eagle_checkpoint(recipe, target.config)
     export.run(recipe, args())  # default format for kind eagle
     out = layout.export_dir(recipe.run_dir, "vllm-eagle")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "SHA256SUMS", "config.json", "model.safetensors"]
 
     with safe_open(out / "model.safetensors", "pt") as f:
         names = set(f.keys())

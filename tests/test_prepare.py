@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from specdistill.data.prepare import heldout, load_prepared, prepare_corpus
+from specdistill.data.prepare import encode_rows, heldout, load_prepared, prepare_corpus, truncate
 from specdistill.data.tokenize import encode_chats
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import Recipe, TargetConfig
@@ -94,6 +95,25 @@ def test_truncation_and_skipped_rows_are_counted(tmp_path, tokenizer):
     assert all(len(x) <= 70 for s in dd.values() for x in s["input_ids"])
     assert all(sum(x) >= 8 for s in dd.values() for x in s["loss_mask"])
     assert summary["rows_skipped"]["too_few_assistant_tokens"] == 40 - summary["sequences"] > 0
+
+
+def test_left_truncation_keeps_the_reply_of_a_long_prompt(tmp_path, tokenizer):
+    ids, mask = list(range(100)), [0] * 80 + [1] * 20  # the reply starts at 80: outside a 64-token window
+    assert truncate(ids, mask, 64) == (ids[:64], mask[:64])  # right: no trained token left
+    got_ids, got_mask = truncate(ids, mask, 64, "left")
+    assert got_ids == ids[48:] and got_mask.index(1) == 32 and sum(got_mask) == 20  # 32 tokens of context kept
+    assert truncate(ids[:60], mask[:60], 64, "left") == (ids[:60], mask[:60])  # fits: untouched
+    short_prompt = [0] * 10 + [1] * 90
+    assert truncate(ids, short_prompt, 64, "left") == (ids[:64], short_prompt[:64])  # reply inside: as right
+    long_prompt = [{"role": "user", "content": "Summarise this: " + "the sea is wide and deep " * 40},
+                   {"role": "assistant", "content": "The sea is wide and deep."}]
+    rows = [(0, long_prompt)]
+    for side, kept in (("right", 0), ("left", 1)):
+        cfg = make_recipe(max_length=64, truncate=side).corpus
+        skipped = Counter()
+        out = encode_rows(tokenizer, "messages", rows, cfg, skipped)
+        assert len(out) == kept and skipped["too_few_assistant_tokens"] == 1 - kept, side
+    assert out[0]["loss_mask"].index(1) == 32 and len(out[0]["input_ids"]) <= 64  # left: 32 tokens of context + the reply
 
 
 def test_packing_fills_sequences_to_max_length(tmp_path, tokenizer):

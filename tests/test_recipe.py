@@ -43,7 +43,8 @@ def test_overrides_apply_with_yaml_values(tmp_path):
     ("train: {max_steps: 10, save_every: 5, max_step: 3}", "unknown key 'train.max_step'"),
     ("train: {max_steps: ten, save_every: 5}", "key 'train.max_steps'"),
     ("train: {save_every: 5}", "missing required key 'train.max_steps'"),
-    ("draft: {kind: medusa}", "key 'draft.kind'"),
+    ("draft: {kind: lookahead}", "key 'draft.kind'"),  # a kind not implemented
+    ("draft: {kind: medusa, ttt_steps: 3}", "unknown key 'draft.ttt_steps'"),  # an EAGLE-3 key
     ("draft: {kind: eagle, ttt_steps: 3}", "unknown key 'draft.ttt_steps'"),  # an EAGLE-3 key
     ("draft: {kind: eagle3, num_layers: 2}", "unknown key 'draft.num_layers'"),  # a draft-LM key
     ("eval: {tree: {kind: dynamic, depth: 3, top_k: 2}}", "missing required key 'eval.tree.total_tokens'"),

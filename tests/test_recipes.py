@@ -54,7 +54,7 @@ def dry_run(recipe, tmp_path):
         from specdistill.target import load_target_config
 
         target_config = load_target_config(recipe.target)
-    if recipe.draft.init_from in HUB_CONFIGS:  # no hub here: a local dir holding the real config
+    if getattr(recipe.draft, "init_from", None) in HUB_CONFIGS:  # no hub here: a local dir holding the real config
         local = tmp_path / recipe.draft.init_from.replace("/", "--")
         HUB_CONFIGS[recipe.draft.init_from]().save_pretrained(local)
         recipe.draft.init_from = str(local)

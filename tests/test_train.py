@@ -109,6 +109,19 @@ def test_step_micro_batches_same_for_one_and_two_processes():
     assert sorted(seen) == list(range(7)), "one epoch visits every sequence once"
 
 
+def test_a_stage_started_after_an_in_process_group_joins_its_own():
+    """An in-process run (a test, a notebook) keeps its 1-process group listening on its port: a stage started
+    from there as a child must not inherit that MASTER_PORT (it failed with EADDRINUSE in CI)."""
+    from specdistill.train.processes import join
+
+    assert join(torch.device("cpu")) == (0, 1)
+    child = "import torch; from specdistill.train.processes import join; print(join(torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("(0, 1)")
+
+
 def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpoints_root):
     from transformers import AutoModelForCausalLM
 
@@ -425,3 +438,23 @@ def test_eagle_offline_acceptance_per_depth_on_its_own_features(tmp_path, tiny_t
     assert m["alpha_at"] == pytest.approx([b / c for b, c in zip(overlap, n)], abs=1e-4)
     assert m["top1_at"][0] == pytest.approx(m["top1"]) and m["alpha_at"][0] == pytest.approx(m["predicted_alpha"], abs=1e-5)
     assert m["simulated_tau"]["1"] == pytest.approx(simulated_tau(m["alpha_at"]))
+
+
+def test_muon_moves_the_matrices_and_adamw_the_rest(tmp_path, tiny_target_dir, checkpoints_root):
+    """train.optimizer muon: DeepSpeed's Muon on the head's matrices at muon_lr, AdamW at lr on the rest. With
+    lr ~0 only the matrices move, and only under muon."""
+    from safetensors.torch import load_file
+
+    from specdistill.train import launch
+
+    weights = {}
+    for name, optimizer in (("adamw", "adamw"), ("muon", "muon")):
+        recipe = make_recipe(tmp_path, tiny_target_dir, name, max_steps=1, save_every=1, lr=1e-12,
+                             optimizer=optimizer, muon_lr=0.02)
+        write_cache(recipe.run_dir, tiny_target_dir)
+        launch.run(recipe)
+        weights[name] = load_file(str(layout.checkpoints(recipe.run_dir)[-1] / "draft.safetensors"))
+    moved = {k: (weights["muon"][k] - weights["adamw"][k]).abs().max().item() for k in weights["adamw"]}
+    matrices = [k for k in moved if weights["adamw"][k].dim() == 2]
+    assert matrices and all(moved[k] > 1e-4 for k in matrices), moved
+    assert all(moved[k] < 1e-9 for k in moved if k not in matrices), moved

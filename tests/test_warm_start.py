@@ -95,6 +95,7 @@ def test_foreign_or_misshapen_heads_stop(tmp_path, tiny_target_dir):
     state = load_file(out / "model.safetensors")
     state["fc.bias"] = torch.zeros(64)
     save_file(state, out / "model.safetensors")
+    (out / "SHA256SUMS").unlink()  # a foreign head: no checksums of ours (with them, the edit is refused as corrupt)
     recipe.draft.init_from = str(out)
     with pytest.raises(SpecdistillError, match="fc.bias"):
         build(recipe, target)

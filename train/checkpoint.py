@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from specdistill import layout
+from specdistill import faults, integrity, layout
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_metrics, write_checkpoint, write_json_atomic
 
@@ -41,18 +41,31 @@ def save_checkpoint(run_dir: Path, step: int, ds_engine, own_state: dict, draft_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    ds_engine.save_checkpoint(str(tmp / "ds"), tag=DS_TAG)
-    _barrier()
-    if rank == 0:
-        write_checkpoint(tmp, own_state, draft_config, metrics)
-        if final.exists():  # an incomplete leftover of a crashed run
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+    try:
+        faults.point("checkpoint", step, rank)  # fault suite: the disk fills up here
+        ds_engine.save_checkpoint(str(tmp / "ds"), tag=DS_TAG)
+        _barrier()
+        faults.point("checkpoint-write", step, rank)  # fault suite: a kill with half a checkpoint written
+        if rank == 0:
+            write_checkpoint(tmp, own_state, draft_config, metrics)
+            faults.point("checkpoint-rename", step, rank)  # fault suite: a kill between the write and the rename
+            if final.exists():  # an incomplete leftover of a crashed run
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    except Exception as e:  # disk full: OSError, or wrapped by the writer (torch.save: RuntimeError)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(run_dir)
+        raise SpecdistillError(faults.write_failed(
+            final, e, f"the last complete checkpoint is {last.name if last else 'none'}; rerun `specdistill train` "
+                      f"once there is room: it resumes from there")) from None
     _barrier()
     return final
 
 
 def load_ds_state(ds_engine, step_dir: Path) -> None:
+    """Resume from a checkpoint whose files (DeepSpeed state included) match their checksums."""
+    integrity.check_checkpoint(step_dir)
     ds_engine.load_checkpoint(str(step_dir / "ds"), tag=DS_TAG)
 
 

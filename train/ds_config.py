@@ -9,7 +9,7 @@ import math
 
 
 def build_ds_config(train, world_size: int) -> dict:
-    """ZeRO stage, precision, batch sizes, clipping, AdamW (the LR schedule: `lr_scheduler`)."""
+    """ZeRO stage, precision, batch sizes, clipping, AdamW or Muon + AdamW (the LR schedule: `lr_scheduler`)."""
     cfg = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -22,6 +22,10 @@ def build_ds_config(train, world_size: int) -> dict:
         "steps_per_print": 10**9,  # our own logging (tqdm, TensorBoard) instead of DeepSpeed's
         "wall_clock_breakdown": False,
     }
+    if train.optimizer == "muon":  # DeepSpeed tags matrices (not embed / lm_head) for Muon, the rest for AdamW
+        cfg["optimizer"] = {"type": "Muon", "params": {
+            "lr": train.lr, "muon_lr": train.muon_lr, "adam_lr": train.lr, "momentum": 0.95,
+            "betas": list(train.betas), "eps": 1e-8, "weight_decay": train.weight_decay, "torch_adam": True}}
     if train.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif train.precision == "fp16":

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from specdistill import formats, kinds, layout
+from specdistill import formats, integrity, kinds, layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.results import read_result
 from specdistill.eval.tables import summary_line
@@ -53,6 +53,7 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
         raise SpecdistillError(f"{step_dir}: format {fmt} exports '{fmt_kind.NAME}' drafts ({fmt_kind.LABEL}), "
                                f"this checkpoint is a '{kind.NAME}' draft (use --format {kind.EXPORT_FORMATS[0]})")
     check_same_target(recipe, step_dir, draft_cfg)
+    integrity.check_checkpoint(step_dir, only=formats.DRAFT_FILES)  # a corrupt checkpoint is refused, not exported
     target_config = load_target_config(recipe.target)
 
     out = layout.export_dir(recipe.run_dir, fmt)
@@ -62,6 +63,7 @@ def export_checkpoint(recipe, step_dir: Path, fmt: str) -> Path:
     try:
         kind.export(fmt, step_dir, draft_cfg, recipe, target_config, tmp, speculative_tokens(recipe, step_dir))
         write_readme(recipe, step_dir, draft_cfg, fmt, tmp, final_dir=out)
+        integrity.write_checksums(tmp)  # SHA256SUMS, read back by `specdistill verify` and by draft.init_from
         for f in tmp.iterdir():  # safetensors writes 0600; a serving process may run as another user
             f.chmod(0o644)
         replace_dir(tmp, out)

@@ -8,14 +8,15 @@ The recipe's `device` sets DeepSpeed's accelerator and the processes' environmen
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 from specdistill import device as devices
-from specdistill import layout
+from specdistill import integrity, layout
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_metrics, read_yaml, write_json_atomic, write_yaml
+from specdistill.formats import read_manifest, read_metrics, read_yaml, write_json_atomic, write_yaml
 from specdistill.recipe import recipe_dump
 from specdistill.train.ds_config import build_ds_config
 from specdistill.train.loop import train
@@ -46,7 +47,7 @@ def in_process(recipe) -> bool:
 
 # Keys that may change between a run and its resumption: they do not change what the checkpoints so far
 # were trained on (how long to go on, how often to save/log, where outputs go, how runs are compared).
-RESUMABLE_CHANGES = ("run_name", "output_dir", "device", "cache.dir", "cache.mode", "eval", "export", "train.max_steps",
+RESUMABLE_CHANGES = ("run_name", "output_dir", "device", "cache.dir", "cache.mode", "cache.verify", "eval", "export", "train.max_steps",
                      "train.save_every", "train.log_every", "train.heldout_batches", "train.keep_last",
                      "train.best_metric", "train.report_to", "train.num_gpus", "train.num_nodes", "train.hostfile")
 
@@ -97,6 +98,7 @@ def run(recipe, args=None, stop_after: int | None = None):
     cache = layout.cache_dir(recipe.run_dir)
     if not (cache / "manifest.json").exists():
         raise SpecdistillError(f"{cache}: no cache; run `specdistill cache --recipe {recipe.source}` first")
+    integrity.check_cache(cache, read_manifest(cache), recipe.cache.verify, recipe.source)  # a corrupt shard stops here
     if getattr(args, "restart", False):
         restart(recipe.run_dir)
     check_rerun(recipe)
@@ -107,10 +109,7 @@ def run(recipe, args=None, stop_after: int | None = None):
         history = train(recipe, stop_after=stop_after, device=device)
     else:
         env = process_env(device, recipe.train.num_gpus)
-        done = subprocess.run(train_command(recipe, resolved, stop_after), env=env)
-        if done.returncode != 0:
-            raise SpecdistillError(f"train: the DeepSpeed launcher exited with status {done.returncode} "
-                                   f"(see the messages above); checkpoints so far are in {recipe.run_dir}")
+        run_launcher(recipe, train_command(recipe, resolved, stop_after), env)
         history = None
     last = layout.checkpoints(recipe.run_dir)
     if last:
@@ -120,3 +119,51 @@ def run(recipe, args=None, stop_after: int | None = None):
               + (f"; held-out predicted_alpha {alpha:.4f}, top1 {held['top1']:.4f}, fkl {held['fkl']:.4f}"
                  if alpha is not None else ""), flush=True)
     return history
+
+
+def run_launcher(recipe, cmd: list[str], env: dict) -> int:
+    """Run the DeepSpeed launcher in a process group of its own, passing SIGTERM / SIGINT on to all of it, and
+    wait for every process of the group; then say how it ended: preempted, a dead rank named, or a failure."""
+    import signal
+    import time
+
+    from specdistill.train import preemption
+
+    run_dir = recipe.run_dir
+    preemption.clear_records(run_dir)
+    since = time.time()
+    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        returncode = child.wait()
+        deadline = time.time() + 60  # the launcher may exit before its ranks have finished saving
+        while time.time() < deadline:
+            try:
+                os.killpg(child.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    preempted = preemption.was_preempted(run_dir, since)
+    if preempted is not None:
+        raise preempted
+    if returncode == 0:
+        return 0
+    last = layout.checkpoints(run_dir)
+    resume = f"rerun to resume from {last[-1].name}" if last else "no checkpoint was written; rerun to start over"
+    dead = preemption.dead_ranks(run_dir, since)
+    if dead:
+        who = ", ".join(f"rank {d['rank']} (pid {d['pid']} on {d['host']})" for d in dead)
+        raise SpecdistillError(f"train: {who} died without a word (killed by a signal or out of memory); "
+                               f"the other ranks were stopped; {resume}")
+    raise SpecdistillError(f"train: the DeepSpeed launcher exited with status {returncode} "
+                           f"(see the messages above); {resume}")

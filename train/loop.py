@@ -28,13 +28,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from specdistill import device as devices
-from specdistill import kinds, layout
+from specdistill import faults, kinds, layout
 from specdistill.data.cache_reader import OnlineDataset, collate, open_cache
-from specdistill.errors import SpecdistillError
+from specdistill.errors import Preempted, SpecdistillError
+from specdistill.eval.chain_tau import heldout_chain_tau
 from specdistill.formats import append_jsonl, read_jsonl, read_metrics, write_jsonl
 from specdistill.recipe import load_recipe
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
-from specdistill.train import checkpoint
+from specdistill.train import checkpoint, preemption
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
 from specdistill.train.processes import join, use_accelerator
 from specdistill.train.report_to import Reporters
@@ -175,6 +176,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
     tc, draft_kind = recipe.train, kinds.kind(recipe.draft.kind)
     rank, world = join(device)
     run_dir = recipe.run_dir
+    preemption.record_start(run_dir, rank)
     cache = layout.cache_dir(run_dir)
     data = open_cache(cache, "train", recipe.target, device)  # cache.mode online: the target computes features
     if len(data) == 0:
@@ -207,6 +209,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
                            loader_workers(device, min(tc.num_gpus, world)))
     bar = tqdm(total=tc.max_steps, initial=start, desc=f"train {draft_kind.NAME}", disable=rank != 0, mininterval=1.0)
     history = []
+    preempt = preemption.StopRequests().install()  # SIGTERM: save at the next step boundary, then stop
     try:
         for step in range(start, stop):
             t0 = time.time()
@@ -226,7 +229,12 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
             done = step + 1
             if done % tc.save_every == 0 or done == tc.max_steps:
                 run.last_good = _save(run, ds_engine, done, heldout, record)
+            if done < tc.max_steps and preempt.requested(world, device):
+                if run.last_good is None or layout.step_of(run.last_good) != done:
+                    run.last_good = _save(run, ds_engine, done, heldout, record)
+                raise preemption.stopped(run_dir, run.last_good, rank)
     finally:
+        preempt.restore()
         bar.close()
         if run.writer is not None:
             run.writer.close()
@@ -241,6 +249,7 @@ def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
     sums, tokens = None, torch.zeros((), dtype=torch.long, device=run.device)
     accum = tc.gradient_accumulation_steps
     grad_norm = None
+    objective.progress = step / tc.max_steps  # the hybrid objective's ramp (train/objective.py)
     for m in range(accum):
         batch = to_device(next(batches), run.device)
         k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
@@ -254,6 +263,8 @@ def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
         sums = values if sums is None else sums + values
         tokens += batch["attention_mask"].sum()
         ds_engine.backward(loss)
+        if m == 0:
+            faults.point("step", step + 1, run.rank)  # fault suite: a kill in the middle of a step
         if m == accum - 1:
             grad_norm = _grad_norm(ds_engine)
         ds_engine.step()
@@ -285,6 +296,9 @@ def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
     ds_engine.eval()
     metrics = {"step": step, "train_loss": record["loss"], "tokens_seen": record["tokens_seen"]}
     metrics["heldout"] = objective.offline_metrics(heldout) if heldout else {"note": "no heldout split"}
+    if heldout and recipe.train.heldout_chain_positions:  # the T=0 chain as decoding drafts it (eval/chain_tau.py)
+        metrics["heldout"].update(heldout_chain_tau(draft_kind, objective.head, objective.parts, heldout,
+                                                    recipe.eval.k, recipe.train.heldout_chain_positions))
     ds_engine.train()
     own = _gathered_own_state(ds_engine, draft_kind, objective.head)
     config = {**run.meta, "config": draft_kind.checkpoint_config(objective.head), "step": step}
@@ -321,10 +335,25 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        train(load_recipe(args.recipe, args.overrides), stop_after=args.stop_after)
+        recipe = load_recipe(args.recipe, args.overrides)
     except SpecdistillError as e:
         print(f"specdistill train: error: {e}", flush=True)
         return 1
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        train(recipe, stop_after=args.stop_after)
+    except Preempted as e:
+        preemption.record_end(recipe.run_dir, rank, "preempted")
+        print(f"specdistill train: {e}", flush=True)
+        return Preempted.EXIT_CODE
+    except SpecdistillError as e:
+        preemption.record_end(recipe.run_dir, rank, f"error: {e}")
+        print(f"specdistill train: error: {e}", flush=True)
+        return 1
+    except BaseException as e:  # e.g. a collective failing because another rank died: recorded, then raised
+        preemption.record_end(recipe.run_dir, rank, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        raise
+    preemption.record_end(recipe.run_dir, rank, "ok")
     return 0
 
 

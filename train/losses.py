@@ -72,3 +72,9 @@ def smooth_l1_features(f_hat: torch.Tensor, f: torch.Tensor, mask: torch.Tensor 
     """EAGLE's feature regression: Smooth-L1 averaged over the hidden axis, then over masked positions."""
     per_position = F.smooth_l1_loss(f_hat.float(), f.float(), reduction="none").mean(-1)
     return masked_mean(per_position, torch.ones_like(per_position) if mask is None else mask)
+
+
+def acceptance_weight(weight: float, ramp: float, progress: float) -> float:
+    """The hybrid objective's weight on tvd at `progress` (0..1 of training): 0 at the start, rising linearly to
+    `weight` at `ramp`, then held (KL-like terms first, the acceptance objective once q is near p)."""
+    return weight * min(1.0, progress / ramp)

@@ -25,6 +25,7 @@ class Objective(nn.Module):
     parts and the loss settings as plain attributes. The default loss is the distribution loss."""
 
     feature_std: float | None = None  # EAGLE-1 sets its noise scale; recorded in draft_config.json
+    progress: float = 0.0  # share of training done, set by the loop before each step (the hybrid objective's ramp)
 
     def __init__(self, head: nn.Module, parts, loss_cfg, data=None):
         """data: the cached train split, for what a kind measures on it once (EAGLE-1's noise scale)."""
@@ -44,7 +45,19 @@ class Objective(nn.Module):
     def loss(self, pred: dict):
         """(loss, {component: value}) for one micro batch."""
         log_p, log_q = losses.distribution_logprobs(pred, self.loss_cfg.temperature)
-        return losses.mixed_loss(log_p, log_q, dict(self.loss_cfg.terms), self.loss_cfg.jsd_beta)
+        return self.distribution_loss(log_p, log_q)
+
+    def distribution_loss(self, log_p, log_q, weights=None):
+        """loss.terms (weighted mean over positions: `weights`, default 1); with loss.acceptance_weight, blended
+        toward tvd as training progresses (the hybrid objective; losses.acceptance_weight)."""
+        cfg = self.loss_cfg
+        loss, parts = losses.mixed_loss(log_p, log_q, dict(cfg.terms), cfg.jsd_beta, weights)
+        if cfg.acceptance_weight > 0:
+            w = losses.acceptance_weight(cfg.acceptance_weight, cfg.acceptance_ramp, self.progress)
+            acceptance, acc_parts = losses.mixed_loss(log_p, log_q, {"tvd": 1.0}, cfg.jsd_beta, weights)
+            loss = (1 - w) * loss + w * acceptance
+            parts = {**parts, "tvd": acc_parts["tvd"], "acceptance_weight": torch.tensor(w, device=loss.device)}
+        return loss, parts
 
     @torch.no_grad()
     def offline_metrics(self, batches) -> dict:

@@ -75,13 +75,18 @@ def use_accelerator(device: torch.device) -> None:
 
 def join(device: torch.device) -> tuple[int, int]:
     """Join the launcher's process group (or a 1-process group when run in-process); (rank, world)."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
     if not dist.is_initialized():
         import deepspeed
 
+        launched = "MASTER_PORT" in os.environ
+        if not launched:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
         deepspeed.init_distributed(dist_backend=backend(device))
+        if not launched:
+            # This process listens on that port for as long as it lives: a child that inherited MASTER_PORT
+            # would try to listen on it too and fail (EADDRINUSE). RANK and LOCAL_RANK stay: DeepSpeed reads them.
+            del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size()

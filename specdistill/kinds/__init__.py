@@ -1,10 +1,12 @@
-"""Draft kinds: one package per kind (`eagle/`, `eagle3/`, `draft_lm/`), the same files in each, owning
+"""Draft kinds: one package per kind (`eagle/`, `eagle3/`, `medusa/`, `draft_lm/`), the same files in each, owning
 everything about it; what two kinds share is in `common/` (a kind never imports another kind).
 
   config.py     (torch-free) NAME (the recipe's `draft.kind`), LABEL (in messages and reports),
                 Config (its `draft` section: a member of the union the recipe builds from KIND_NAMES),
                 Loss (its `loss` section: common/config.py LossConfig + the kind's own keys),
                 STORE (what the cache stage stores for it by default, `cache.store`),
+                DRAFTER_READS (the cached target states its drafter reads: hidden_last, hidden_aux, or
+                None; eval/chain_tau.py),
                 EXPORT_FORMATS (the export formats it offers, the default first), VLLM_METHOD (format ->
                 vLLM's speculative-config "method"), DRAFTS_TREES (whether eval/tree.py can draft trees
                 with it), PROMPTS_FKL_NOTE (why fkl on the eval prompts is undefined, or None)
@@ -36,7 +38,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.formats import read_checkpoint
 
 # The registry: every kind, by package name. draft_lm last: it owns any causal LM (`kind_of` asks in order).
-KIND_NAMES = ("eagle", "eagle3", "draft_lm")
+KIND_NAMES = ("eagle", "eagle3", "medusa", "draft_lm")
 
 
 FILES = ("config", "model", "objective", "drafter", "formats")  # the files of every kind package

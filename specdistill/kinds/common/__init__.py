@@ -4,4 +4,5 @@
   llama_layer.py  the Llama-style decoder layer of EAGLE heads, built and initialised from the target's
   heads.py        what EAGLE-style heads share when training and drafting (unroll mask, chain drafter, storage)
   released.py     reading a released head directory (vLLM / speculators layouts) to continue training it
+  weights.py      a head's tensors checked against the names and shapes a loader builds (exports, warm starts)
 """

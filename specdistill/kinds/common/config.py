@@ -19,6 +19,11 @@ class LossConfig(Section):
     terms: dict[Literal[NAMES], float] = Field(default_factory=lambda: {"fkl": 1.0})
     temperature: float = Field(1.0, gt=0.0)
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
+    acceptance_weight: float = Field(0.0, ge=0.0, le=1.0, description="hybrid objective: the loss becomes "
+                                     "(1 - w) * terms + w * tvd (1 - the T=1 acceptance), w ramped linearly from 0 "
+                                     "to this over the first acceptance_ramp of training (KL first); 0: off")
+    acceptance_ramp: float = Field(1.0, gt=0.0, le=1.0, description="share of train.max_steps over which the "
+                                   "acceptance weight ramps up")
 
 
 class HeadConfig(Section):

@@ -18,6 +18,7 @@ import torch
 
 from specdistill import formats
 from specdistill.errors import SpecdistillError
+from specdistill.kinds.common.weights import check_head_weights
 
 IGNORED = ("embed_tokens.weight", "model.embed_tokens.weight", "verifier_lm_head.weight")
 
@@ -56,15 +57,3 @@ def load_state(path, head, state: dict[str, torch.Tensor], what: str) -> None:
         raise SpecdistillError(f"draft.init_from: {e}") from None
     with torch.no_grad():
         head.load_own_state_dict(state)  # copies into the head's tensors, in their dtype
-
-
-def check_head_weights(path: Path, state: dict, expected: dict) -> None:
-    """A head's tensors must be exactly the expected names (name -> shape) with their shapes."""
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise SpecdistillError(f"{path}: tensors do not match an EAGLE head of this target: "
-                               f"missing {missing}, unexpected {extra}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise SpecdistillError(f"{path}: tensor {name} has shape {list(state[name].shape)}, the target "
-                                   f"needs {list(shape)} (hidden/vocab of the head and target differ)")

@@ -11,6 +11,7 @@ from specdistill.section import Section
 NAME = "draft_lm"
 LABEL = "draft LM"  # in messages and reports
 STORE = ["topk"]  # the target's top-k log-probs, so the draft's hidden size is free
+DRAFTER_READS = None  # its drafter reads no target states (eval/chain_tau.py)
 EXPORT_FORMATS = ("hf",)
 VLLM_METHOD = {"hf": "draft_model"}  # export format -> vLLM's speculative-config "method"
 DRAFTS_TREES = False

@@ -10,6 +10,7 @@ from specdistill.kinds.common.config import HeadConfig, HeadLoss
 NAME = "eagle"
 LABEL = "EAGLE-1"  # in messages and reports
 STORE = ["hidden_last"]
+DRAFTER_READS = "hidden_last"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = ("vllm-eagle",)
 VLLM_METHOD = {"vllm-eagle": "eagle"}  # export format -> vLLM's speculative-config "method"
 DRAFTS_TREES = True

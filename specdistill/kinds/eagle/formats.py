@@ -24,7 +24,7 @@ from specdistill import formats
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import checkpoint_config, own_state_dict  # noqa: F401  (stored as heads are)
 from specdistill.kinds.common.llama_layer import vllm_layer_config
-from specdistill.kinds.common.released import check_head_weights
+from specdistill.kinds.common.weights import check_head_weights
 from specdistill.kinds.eagle.model import EagleHead, scale_embedding_half
 
 

@@ -108,7 +108,7 @@ def scale_embedding_half(fc: torch.Tensor, target_config, fold: bool) -> torch.T
     if not target_config.model_type.startswith("gemma"):
         return fc
     h = target_config.hidden_size
-    scale = torch.tensor(h ** 0.5, dtype=fc.dtype).float()
+    scale = torch.tensor(h ** 0.5, dtype=fc.dtype, device=fc.device).float()
     out = fc.float().clone()
     out[:, :h] = out[:, :h] * scale if fold else out[:, :h] / scale
     return out.to(fc.dtype)

@@ -10,6 +10,7 @@ from specdistill.kinds.common.config import HeadConfig, HeadLoss
 NAME = "eagle3"
 LABEL = "EAGLE-3"  # in messages and reports
 STORE = ["hidden_aux", "hidden_last"]
+DRAFTER_READS = "hidden_aux"  # the cached target states its drafter reads (eval/chain_tau.py)
 EXPORT_FORMATS = ("vllm-eagle3", "speculators")
 VLLM_METHOD = {"vllm-eagle3": "eagle3", "speculators": "eagle3"}  # export format -> vLLM's "method"
 DRAFTS_TREES = True
@@ -22,8 +23,13 @@ class Config(HeadConfig):
     kind: Literal["eagle3"]
     draft_vocab_size: int | None = Field(None, ge=16, description=f"default {DEFAULT_DRAFT_VOCAB} (at most the target's)")
     ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
+    freeze_lm_head: bool = Field(False, description="keep the readout (the target's LM-head rows of the draft "
+                                 "vocabulary, or draft.init_from's) as it starts: not trained")
 
 
 class Loss(HeadLoss):
     kind: Literal["eagle3"] = Field("eagle3", exclude=True)  # the recipe's draft.kind (specdistill/recipe.py)
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="weight decay**s of training-time-test unroll step s")
+    ttt_wrong_weight: float = Field(1.0, ge=0.0, le=1.0, description="GRIFFIN-style: weight of an unrolled "
+                                    "step's position whose previous step predicted the wrong token (its input was "
+                                    "already off the target's path); 1: off")

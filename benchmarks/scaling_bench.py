@@ -1,0 +1,103 @@
+"""`make bench ARGS=scaling`: how much data buys how much τ, from complete runs (not checkpoints of one run).
+
+One run per data size, all over the same shared cache: a run of S optimizer steps trains on the first S
+steps of the one-pass order (train/loop.py `step_micro_batches`: distinct sequences until the epoch ends),
+with its own complete schedule (warmup scaled with S, cosine to the end), so the sizes differ in data only.
+Each run's last checkpoint is evaluated by real chain decoding at T=0 (eval.k, no tree, no comparators).
+Prints, per size: tokens seen, the held-out simulated τ (the chain replayed on held-out corpus text,
+`chain_tau`), the simulated τ on the target's own continuations and the measured τ; then the report's
+fit τ(N) = τ∞ − c·N^(−b) per series and the tokens it needs for τ = 2.2 (an extrapolation beyond the
+largest run), and writes <output_dir>/bench/scaling.json and scaling.png.
+
+    python -m benchmarks.scaling_bench [--recipe R] [--fractions 0.125 0.25 0.5 1] [overrides ...]
+
+The fractions are of the recipe's train.max_steps (one pass for the default recipe). Every setting is the
+recipe's plus the overrides given; the command line is printed with the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specdistill import layout
+from specdistill.cli import main as cli
+from specdistill.errors import SpecdistillError
+from specdistill.eval import report
+from specdistill.formats import read_metrics
+from specdistill.recipe import load_recipe
+
+DEFAULT_RECIPE = "recipes/smollm2-135m-eagle3.yaml"
+EVAL = ["eval.checkpoints=last", "eval.temperature=[0]", "eval.k_sweep=[]", "eval.tree=null",
+        "eval.comparators=false"]
+
+
+def run_overrides(recipe, steps: int) -> list[str]:
+    """One complete run of `steps` steps: its own name, one checkpoint at the end, warmup scaled with it."""
+    tc = recipe.train
+    warmup = max(1, round(tc.warmup_steps * steps / tc.max_steps)) if tc.warmup_steps else 0
+    return [f"run_name={recipe.run_name}-scaling-{steps}", f"train.max_steps={steps}", f"train.save_every={steps}",
+            f"train.warmup_steps={warmup}"]
+
+
+def point(recipe_path: str, overrides: list[str]) -> dict:
+    """What one finished run measured (its last checkpoint's metrics and eval JSON)."""
+    recipe = load_recipe(recipe_path, overrides)
+    step_dir = layout.checkpoints(recipe.run_dir)[-1]
+    held = (read_metrics(step_dir) or {}).get("heldout") or {}
+    e = json.loads((layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json").read_text())
+    return {"run": "scaling", "checkpoint": recipe.run_name, "step": layout.step_of(step_dir),
+            "tokens_seen": (read_metrics(step_dir) or {}).get("tokens_seen"), "k": recipe.eval.k,
+            "simulated": (held.get("chain_tau") or {}).get("0"),
+            "continuations": ((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau"),
+            "measured": report.result_at(e, 0.0).get("tau"), "stale": False, "evaluated": True}
+
+
+def scaling(recipe_path: str, fractions: list[float], overrides: list[str],
+            stages=("prepare", "cache", "train", "eval")) -> dict:
+    """Run every size (stages in order per run; the cache is shared, so only the first run pays for it)."""
+    base = load_recipe(recipe_path, overrides)
+    sizes = sorted({max(1, round(f * base.train.max_steps)) for f in fractions})
+    points = []
+    for steps in sizes:
+        run = overrides + run_overrides(base, steps)
+        for stage in stages:
+            if cli([stage, "--recipe", recipe_path, *run, *(EVAL if stage == "eval" else [])]) != 0:
+                raise SpecdistillError(f"scaling: {stage} failed for the {steps}-step run")
+        points.append(point(recipe_path, run))
+    fits = report.scaling_fits(points)
+    out = base.run_dir.parent / "bench"  # beside the runs, as checkpoints/bench/runtime.json
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python -m benchmarks.scaling_bench --recipe", recipe_path, "--fractions",
+                        *map(str, fractions), *overrides])
+    figure = report.plot_tau_vs_tokens(points, fits, False, out / "scaling.png", command)
+    result = {"command": command, "points": points, "fits": fits, "figure": str(figure)}
+    (out / "scaling.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict) -> str:
+    k = result["points"][0]["k"] if result["points"] else "?"
+    header = ["steps", "tokens seen", f"sim. τ (held-out chain, T=0, K={k})", "sim. τ (continuations)",
+              "measured τ (chain, T=0)"]
+    rows = [[str(p["step"]), f"{p['tokens_seen']:,}" if p["tokens_seen"] is not None else "—",
+             report.num(p["simulated"]), report.num(p["continuations"]), report.num(p["measured"])]
+            for p in result["points"]]
+    fits = "\n".join(report.fit_text(f, False) for f in result["fits"])
+    return f"{result['command']}\n\n{report.table(header, rows)}\n\n{fits}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """argv: this benchmark's own arguments (`make bench ARGS="scaling --fractions ..."` passes what follows)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0])
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    print(table(scaling(args.recipe, args.fractions, args.overrides)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

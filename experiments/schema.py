@@ -1,0 +1,99 @@
+"""An experiment file: one README table, every setting it depends on pinned.
+
+`recipe` is a complete recipe (every key of the schema written out, as `specdistill.recipe.recipe_dump`
+gives it), so the experiment does not move when a default changes; `arms` are the runs the table compares,
+each a list of `section.key=value` overrides of that recipe. `command` is what reproduces it, as written;
+`python -m experiments.run <name>` runs the runner named by `runner` and writes experiments/records/<name>.json.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from specdistill.errors import SpecdistillError
+from specdistill.recipe import load_recipe, parse_override, recipe_dump
+
+EXPERIMENTS = Path(__file__).resolve().parent
+RECORDS = EXPERIMENTS / "records"
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    title: str
+    readme_section: str  # the README section holding the table (its marker: <!-- experiment: NAME -->)
+    command: str  # what reproduces the table, as a user types it
+    runner: Literal["pipeline", "bench", "exactness"]
+    recipe: dict
+    arms: dict[str, list[str]] = {"main": []}
+    columns: list[str]
+
+
+def path_of(name: str) -> Path:
+    return EXPERIMENTS / f"{name}.yaml"
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+
+
+def load(name: str) -> Experiment:
+    """The experiment file, validated: its fields, and its recipe complete and valid under the current schema,
+    with every arm's overrides applied (a renamed or removed key, or a key added to the schema and not pinned
+    here, stops with the key named)."""
+    path = path_of(name)
+    try:
+        exp = Experiment.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise SpecdistillError(f"{path}: {e}".replace("\n", " ")) from None
+    except ValidationError as e:
+        raise SpecdistillError(f"{path}: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                       for x in e.errors())) from None
+    if exp.name != name:
+        raise SpecdistillError(f"{path}: name {exp.name!r} differs from the file's {name!r}")
+    for arm, overrides in exp.arms.items():
+        recipe = pinned_recipe(exp, arm)
+        full = recipe_dump(recipe)
+        # pinned by the recipe or by the arm's overrides (an arm of another draft kind sets that kind's keys)
+        missing = sorted(set(missing_keys(full, exp.recipe)) & set(missing_keys(full, arm_recipe(exp, arm))))
+        if missing:
+            raise SpecdistillError(f"{path}: recipe does not pin {', '.join(missing)} (a default it would inherit)")
+    return exp
+
+
+def arm_recipe(exp: Experiment, arm: str) -> dict:
+    """The pinned recipe as written, with the arm's overrides set in it (what the arm pins)."""
+    tree = json.loads(json.dumps(exp.recipe))
+    for text in exp.arms[arm]:
+        parts, value = parse_override(text)
+        node = tree
+        for p in parts[:-1]:
+            node = node.setdefault(p, {}) if isinstance(node.get(p, {}), dict) else {}
+        node[parts[-1]] = value
+    return tree
+
+
+def pinned_recipe(exp: Experiment, arm: str):
+    """The recipe of one arm: the pinned recipe with the arm's overrides, through the recipe loader."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(json.dumps(exp.recipe))  # JSON is YAML
+    try:
+        return load_recipe(fh.name, exp.arms[arm])
+    except SpecdistillError as e:
+        raise SpecdistillError(f"{path_of(exp.name)}: arm {arm!r}: {e}") from None
+    finally:
+        Path(fh.name).unlink()
+
+
+def missing_keys(full: dict, pinned: dict, prefix: str = ""):
+    """Keys of the schema's full dump that the pinned recipe leaves to a default."""
+    for key, value in full.items():
+        if key not in pinned:
+            yield prefix + key
+        elif isinstance(value, dict) and isinstance(pinned[key], dict) and key not in ("terms", "tree", "columns"):
+            yield from missing_keys(value, pinned[key], f"{prefix}{key}.")

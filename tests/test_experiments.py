@@ -1,0 +1,56 @@
+"""Published numbers: every README table is rendered from an experiment record, every experiment file pins a
+complete, valid recipe, and each record says how it was made."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import render, schema
+from specdistill.errors import SpecdistillError
+from specdistill.recipe import recipe_dump
+
+
+@pytest.mark.parametrize("name", schema.names())
+def test_experiment_file_validates_and_matches_its_record(name):
+    exp = schema.load(name)  # fields, a complete recipe, every arm through the recipe loader
+    record = render.read_record(name)
+    assert record["experiment"] == name and record["command"] == exp.command
+    assert record["table"]["columns"] == exp.columns
+    assert record["provenance"].startswith(("run by", "transcribed from"))
+    assert record["settings"] == {arm: recipe_dump(schema.pinned_recipe(exp, arm)) for arm in exp.arms}, \
+        f"experiments/{name}.yaml changed since its record was written: rerun it or transcribe again"
+
+
+def test_every_readme_table_is_its_records():
+    assert render.problems(render.README.read_text()) == []
+    assert {p.stem for p in schema.RECORDS.glob("*.json")} == set(schema.names())
+
+
+def test_a_hand_edited_readme_number_is_caught():
+    text = render.README.read_text()
+    edited = text.replace("| **420** | 1.57M | 0.360 |", "| **420** | 1.57M | 0.361 |", 1)
+    assert edited != text
+    (problem,) = render.problems(edited)
+    assert "default-run-steps" in problem and "0.361" in problem
+
+
+def test_an_unpinned_or_unknown_key_is_caught(tmp_path, monkeypatch):
+    exp = schema.load("objective")
+    monkeypatch.setattr(schema, "EXPERIMENTS", tmp_path)
+    for change, message in ((lambda r: r["train"].pop("lr"), "does not pin train.lr"),
+                            (lambda r: r["eval"].update(runtme="static-bf16"), "unknown key 'eval.runtme'")):
+        recipe = json.loads(json.dumps(exp.recipe))
+        change(recipe)
+        (tmp_path / "objective.yaml").write_text(json.dumps({**exp.model_dump(), "recipe": recipe}))
+        with pytest.raises(SpecdistillError, match=message):
+            schema.load("objective")
+
+
+def test_exactness_record_table_is_its_results():
+    """The one record re-run here: its table is what its results say (nothing edited by hand in between)."""
+    record = render.read_record("exactness")
+    for row, (arm, check) in zip(record["table"]["rows"], record["results"].items()):
+        assert row[0] == f"`{arm}`"
+        assert row[1:-1] == ["yes" if c["bitwise_identical"] else "**no**" for c in check["checks"]]
+    assert record["hardware"]["cpu"] and record["code_version"]
