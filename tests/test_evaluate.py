@@ -145,7 +145,7 @@ def test_best_k_is_chosen_on_tuning_prompts_disjoint_from_the_reported_ones(setu
     draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
     (r,) = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"]
     assert tuning[0].ids in seen  # the tuning prompt was decoded ...
-    assert set(r["tuning_speedup_by_k"]) == {"1", "3"} and r["best_k"] == evaluate.best_k(r["tuning_speedup_by_k"])
+    assert set(r["tuning_speedup_by_k"]) == {"1", "3"} and r["best_k"] == summary.best_k(r["tuning_speedup_by_k"])
     assert "on 1 tuning prompts disjoint from the 2 reported ones" in r["best_k_from"]
     assert sum(c["num_prompts"] for c in r["per_category"].values()) == 2  # ... and not reported
 
@@ -370,7 +370,7 @@ def test_bootstrap_resamples_prompts_in_pairs():
         return DecodeResult(tokens=[0] * 10, steps=steps, accepted=[0], tested=[0], total_s=secs)
 
     secs = [1.0, 10.0, 2.0, 8.0, 0.5, 5.0, 3.0, 9.0]
-    ci = evaluate.bootstrap_ci95([run(s, 10) for s in secs], [run(s / 2, 5) for s in secs])
+    ci = summary.bootstrap_ci95([run(s, 10) for s in secs], [run(s / 2, 5) for s in secs])
     assert ci["speedup_ci95"] == [pytest.approx(2.0), pytest.approx(2.0)], ci
 
 
