@@ -17,15 +17,18 @@ recipe's plus the overrides given; the command line is printed with the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from specdistill import layout
 from specdistill.cli import main as cli
 from specdistill.errors import SpecdistillError
-from specdistill.eval import report
-from specdistill.formats import read_metrics
+from specdistill.eval.plots import plot_tau_vs_tokens
+from specdistill.eval.results import result_at
+from specdistill.eval.scaling import fit_text, scaling_fits
+from specdistill.eval.tables import num
+from specdistill.eval.tables import table as markdown_table
+from specdistill.formats import read_json, read_metrics, write_json_atomic
 from specdistill.recipe import load_recipe
 
 DEFAULT_RECIPE = "recipes/smollm2-135m-eagle3.yaml"
@@ -46,12 +49,12 @@ def point(recipe_path: str, overrides: list[str]) -> dict:
     recipe = load_recipe(recipe_path, overrides)
     step_dir = layout.checkpoints(recipe.run_dir)[-1]
     held = (read_metrics(step_dir) or {}).get("heldout") or {}
-    e = json.loads((layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json").read_text())
+    e = read_json(layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json")
     return {"run": "scaling", "checkpoint": recipe.run_name, "step": layout.step_of(step_dir),
             "tokens_seen": (read_metrics(step_dir) or {}).get("tokens_seen"), "k": recipe.eval.k,
             "simulated": (held.get("chain_tau") or {}).get("0"),
             "continuations": ((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau"),
-            "measured": report.result_at(e, 0.0).get("tau"), "stale": False, "evaluated": True}
+            "measured": result_at(e, 0.0).get("tau"), "stale": False, "evaluated": True}
 
 
 def scaling(recipe_path: str, fractions: list[float], overrides: list[str],
@@ -66,14 +69,14 @@ def scaling(recipe_path: str, fractions: list[float], overrides: list[str],
             if cli([stage, "--recipe", recipe_path, *run, *(EVAL if stage == "eval" else [])]) != 0:
                 raise SpecdistillError(f"scaling: {stage} failed for the {steps}-step run")
         points.append(point(recipe_path, run))
-    fits = report.scaling_fits(points)
+    fits = scaling_fits(points)
     out = base.run_dir.parent / "bench"  # beside the runs, as checkpoints/bench/runtime.json
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m benchmarks.scaling_bench --recipe", recipe_path, "--fractions",
                         *map(str, fractions), *overrides])
-    figure = report.plot_tau_vs_tokens(points, fits, False, out / "scaling.png", command)
+    figure = plot_tau_vs_tokens(points, fits, False, out / "scaling.png", command)
     result = {"command": command, "points": points, "fits": fits, "figure": str(figure)}
-    (out / "scaling.json").write_text(json.dumps(result, indent=1))
+    write_json_atomic(out / "scaling.json", result)
     return result
 
 
@@ -82,10 +85,10 @@ def table(result: dict) -> str:
     header = ["steps", "tokens seen", f"sim. τ (held-out chain, T=0, K={k})", "sim. τ (continuations)",
               "measured τ (chain, T=0)"]
     rows = [[str(p["step"]), f"{p['tokens_seen']:,}" if p["tokens_seen"] is not None else "—",
-             report.num(p["simulated"]), report.num(p["continuations"]), report.num(p["measured"])]
+             num(p["simulated"]), num(p["continuations"]), num(p["measured"])]
             for p in result["points"]]
-    fits = "\n".join(report.fit_text(f, False) for f in result["fits"])
-    return f"{result['command']}\n\n{report.table(header, rows)}\n\n{fits}"
+    fits = "\n".join(fit_text(f, False) for f in result["fits"])
+    return f"{result['command']}\n\n{markdown_table(header, rows)}\n\n{fits}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,7 +174,8 @@ def test_corrupt_checkpoint_is_refused_by_eval_export_resume_and_warm_start(
         tmp_path, tiny_target_dir, checkpoints_root, capsys):
     from specdistill import verify_stage
     from specdistill.eval import evaluate
-    from specdistill.train import export, launch, warm_start
+    from specdistill.kinds.common.released import read_released
+    from specdistill.train import export, launch
 
     recipe = make_recipe(tmp_path, tiny_target_dir, "ck", max_steps=2, save_every=1)
     write_cache(recipe.run_dir, tiny_target_dir)
@@ -188,7 +189,7 @@ def test_corrupt_checkpoint_is_refused_by_eval_export_resume_and_warm_start(
 
     flip_byte(out / "model.safetensors")
     with pytest.raises(SpecdistillError, match=r"^draft.init_from: .*model.safetensors: sha256 differs"):
-        warm_start.read_released(out)
+        read_released(out)
     flip_byte(step2 / "draft.safetensors")
     for attempt in (lambda: evaluate.run(recipe, Args(checkpoint="last")),
                     lambda: export.export_checkpoint(recipe, step2, "vllm-eagle")):
