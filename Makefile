@@ -32,7 +32,7 @@ prepare cache train eval report export: setup
 	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
