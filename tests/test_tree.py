@@ -201,7 +201,7 @@ def test_tree_wider_than_the_draft_vocabulary_stops(target):
 
 
 def test_not_an_eagle_head_stops(target):
-    with pytest.raises(SpecdistillError, match="EAGLE head"):
+    with pytest.raises(SpecdistillError, match="a kind that drafts trees"):
         TreeDecoder(target, llama(V, seed=1, layers=1), TREES["static"])
 
 
