@@ -238,16 +238,24 @@ def joint_pvalue(draft_name: str, runs: int = 1500, make_decoder=None) -> tuple[
     tgt, draft = joint_case(draft_name)
     prompt = [1, 4, 2, 3]
     engine = (make_decoder or (lambda t, d: SpeculativeDecoder(t, d, k=JOINT_K)))(tgt, draft)
-    counts = torch.zeros(vocab ** JOINT_TOKENS, dtype=torch.float64)
+    expected = exact_joint(tgt, prompt, vocab, temperature, JOINT_TOKENS).flatten()
+    return sampled_joint_pvalue(engine, prompt, temperature, expected, runs)
+
+
+def sampled_joint_pvalue(decoder, prompt, temperature: float, joint: torch.Tensor, runs: int) -> tuple[float, list[int]]:
+    """Decode JOINT_TOKENS tokens `runs` times (seeds 0..runs-1); chi-square p-value of the observed 3-token
+    joint against `joint` (flattened p(t1, t2, t3)), and the accepted counts per draft depth."""
+    counts = torch.zeros(JOINT_VOCAB ** JOINT_TOKENS, dtype=torch.float64)
     accepted = [0] * JOINT_K
-    for seed in range(runs):
-        out = engine.decode(prompt, JOINT_TOKENS, temperature, torch.Generator().manual_seed(seed))
-        cell = 0
-        for t in out.tokens:
-            cell = cell * vocab + t
-        counts[cell] += 1
-        accepted = [a + b for a, b in zip(accepted, out.accepted)]
-    expected = exact_joint(tgt, prompt, vocab, temperature, JOINT_TOKENS).flatten() * runs
+    with torch.inference_mode():
+        for seed in range(runs):
+            out = decoder.decode(prompt, JOINT_TOKENS, temperature, torch.Generator().manual_seed(seed))
+            cell = 0
+            for t in out.tokens:
+                cell = cell * JOINT_VOCAB + t
+            counts[cell] += 1
+            accepted = [a + b for a, b in zip(accepted, out.accepted)]
+    expected = joint * runs
     small = expected < 5  # pool cells expected < 5 into one, as chi-square needs
     obs = torch.cat([counts[~small], counts[small].sum().view(1)])
     exp = torch.cat([expected[~small], expected[small].sum().view(1)])

@@ -17,13 +17,12 @@ import sys
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdistill.eval import engine, sampling
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import StaticRuntime, make_runtime
 from specdistill.eval.tree import TreeDecoder
-from tests.test_engine import JOINT_K, JOINT_TOKENS, JOINT_VOCAB, joint_case
+from tests.test_engine import JOINT_K, JOINT_TOKENS, JOINT_VOCAB, joint_case, sampled_joint_pvalue
 
 RUNTIME = "static-bf16"  # what eval.runtime `auto` resolves to for the default target
 RUNS = 1000  # a wrong temperature (the subtlest wrong rule here) gives p ~ 5e-4 already at 500
@@ -58,21 +57,8 @@ def joint_test(kind: str, temperature: float, runs: int = RUNS, tree: bool = Fal
         if kind == "eagle3":
             assert decoder.drafter.static is not None  # the static drafting forward, as in the eval
     assert isinstance(runtime, StaticRuntime) and runtime.dtype == torch.bfloat16
-    counts = torch.zeros(JOINT_VOCAB ** JOINT_TOKENS, dtype=torch.float64)
-    accepted = [0] * JOINT_K
-    with torch.inference_mode():
-        for seed in range(runs):
-            out = decoder.decode(PROMPT, JOINT_TOKENS, temperature, torch.Generator().manual_seed(seed))
-            cell = 0
-            for t in out.tokens:
-                cell = cell * JOINT_VOCAB + t
-            counts[cell] += 1
-            accepted = [a + b for a, b in zip(accepted, out.accepted)]
-    expected = runtime_joint(runtime, PROMPT, JOINT_VOCAB, temperature, JOINT_TOKENS) * runs
-    small = expected < 5  # pool cells expected < 5 into one, as chi-square needs
-    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue, accepted
+    joint = runtime_joint(runtime, PROMPT, JOINT_VOCAB, temperature, JOINT_TOKENS)
+    return sampled_joint_pvalue(decoder, PROMPT, temperature, joint, runs)
 
 
 KINDS = ["eagle3", "eagle", "draft_lm"]
