@@ -11,6 +11,7 @@ raw results beside the transcribed table for a reader to compare.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ import torch
 
 from experiments.schema import RECORDS, load, pinned_recipe
 from specdistill import device, provenance
+from specdistill.formats import read_jsonl
 from specdistill.recipe import recipe_dump
 
 
@@ -53,10 +55,16 @@ def run_pipeline(exp) -> tuple[dict, None]:
         recipe = pinned_recipe(exp, arm)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
             fh.write(json.dumps(recipe_dump(recipe)))
+        seconds = {}
         for stage in ("prepare", "cache", "train", "eval"):
+            started = time.time()
             if cli([stage, "--recipe", fh.name]) != 0:
                 raise SystemExit(f"experiment {exp.name}: arm {arm}: {stage} failed")
-        results[arm] = {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))}
+            seconds[stage] = round(time.time() - started, 1)
+        steps = read_jsonl(recipe.run_dir / "train_log.jsonl")
+        results[arm] = {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
+                        "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[1:] or steps),
+                        "eval": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))}}
     return results, None
 
 
