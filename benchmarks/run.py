@@ -1,7 +1,8 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
 Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime;
-`make bench ARGS="scaling [--fractions ...] [overrides]"` only when named). After each, its peak memory
+`make bench ARGS="scaling [--fractions ...] [overrides]"` and
+`make bench ARGS="peer [--toy] [overrides]"` only when named). After each, its peak memory
 (device.peak_memory: this process's resident set, and the GPU's on CUDA).
 `--toy` runs each at toy size (a few tokens, a step or two): it measures nothing meaningful, it only proves
 the benchmark still runs; tests/test_benchmarks.py runs every one of them that way in `make test`.
@@ -19,8 +20,9 @@ BENCHES = {
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
     "runtime": "benchmarks.runtime_bench", # v(M), d, plain decoding per runtime vs eager-fp32
     "scaling": "benchmarks.scaling_bench", # complete runs at several data sizes: tau against tokens (hours)
+    "peer": "benchmarks.peer_bench",       # our EAGLE-3 trainer vs vllm-project/speculators' on the same data
 }
-LONG = {"scaling"}  # run only when named; it takes its own arguments (the rest of the line)
+LONG = {"scaling", "peer"}  # run only when named; it takes its own arguments (the rest of the line)
 
 
 def main(argv: list[str]) -> int:
