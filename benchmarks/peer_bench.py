@@ -284,6 +284,7 @@ def peer(recipe_path: str, overrides: list[str], peer_args: list[str]) -> dict:
     from specdistill import layout
     from specdistill.data.cache_reader import CacheDataset
     from specdistill.errors import SpecdistillError
+    from specdistill.formats import read_metrics, write_json_atomic
     from specdistill.recipe import load_recipe
     from specdistill.target import load_target_config, read_target_tensors, resolve_aux_layers, resolve_target
 
@@ -331,10 +332,11 @@ def peer(recipe_path: str, overrides: list[str], peer_args: list[str]) -> dict:
     released = last_checkpoint(work / "checkpoints")
     _stage("train", recipe_path, [*theirs_run, f"draft.init_from={released}", *EVAL_ONLY_STEP])
     drift = unchanged_by_the_step(released, layout.checkpoints(theirs.run_dir)[-1])
+    overlap = vocabulary_overlap(released, layout.checkpoints(ours.run_dir)[-1])
     for run in (ours_run, theirs_run):
         _stage("eval", recipe_path, [*run, *EVAL])
 
-    tokens = (layout_metrics(ours) or {}).get("tokens_seen")
+    tokens = (read_metrics(layout.checkpoints(ours.run_dir)[-1]) or {}).get("tokens_seen")  # same sequences in both
     rows = {"ours": arm(ours, ours_train_s, None), "speculators": arm(theirs, measured["wall_s"], measured["step_s"])}
     for r in rows.values():
         r["tokens"] = tokens
@@ -343,46 +345,52 @@ def peer(recipe_path: str, overrides: list[str], peer_args: list[str]) -> dict:
                         *(f"--peer-arg={a}" for a in peer_args)])
     result = {"command": command, "arms": rows, "peer_checkpoint": str(released), "eval_step_drift": drift,
               "peer_argv": argv, "threads": {"ours": torch.get_num_threads(), "speculators": measured["threads"]},
-              "converted": converted, "notes": notes(ours, drift, peer_args)}
+              "converted": converted, "draft_vocabulary_overlap": overlap,
+              "notes": notes(ours, drift, overlap, peer_args)}
     out = base.run_dir.parent / "bench"  # beside the runs, as checkpoints/bench/scaling.json
     out.mkdir(parents=True, exist_ok=True)
-    from specdistill.formats import write_json_atomic
-
     write_json_atomic(out / "peer.json", result)
     return result
 
 
-def layout_metrics(recipe) -> dict | None:
-    from specdistill import layout
-    from specdistill.formats import read_metrics
-
-    return read_metrics(layout.checkpoints(recipe.run_dir)[-1])
-
-
-def notes(recipe, drift: float, peer_args: list[str]) -> list[str]:
+def notes(recipe, drift: float, overlap: int, peer_args: list[str]) -> list[str]:
     """What differs between the two trainers that this comparison does not remove."""
-    loss = recipe.loss
+    loss, tc, draft = recipe.loss, recipe.train, recipe.draft
+    changed = f" (its flags given here: {' '.join(peer_args)})" if peer_args else ""
     return [
-        "same: sequences per step and their order (its sampler replaced by ours), steps, lr, warmup steps, "
-        "TTT steps, aux layers, draft-vocabulary size (each builds its own: the most frequent trained tokens), "
-        "bf16 compute with fp32 weights, one process",
-        f"loss: ours {dict(loss.terms)} with TTT step weights {loss.ttt_decay}^s; its default kl_div (forward KL "
-        "over the draft vocabulary), step weights 1.0" + ("" if not any("loss" in a for a in peer_args) else
-                                                          f" (changed by {peer_args})"),
-        "optimizer: ours AdamW (betas 0.9/0.95, no weight decay, grad clip "
-        f"{recipe.train.grad_clip}); its default Muon on 2-D weights + AdamW (weight decay 0.01), grad clip 1.0"
-        + ("" if not any("optimizer" in a for a in peer_args) else f" (changed by {peer_args})"),
-        f"schedule: both warmup {recipe.train.warmup_steps} then cosine; ours ends at "
-        f"{recipe.train.min_lr_ratio}×lr, its at 0",
-        "TTT: both feed the next step its own states and the true next tokens; ours masks attention as the "
-        "drafter sees it (eagle3 objective), its flex-attention mask extends per step (its eagle3/attention.py)",
-        "init: ours as the recipe says (readout from the target's LM-head rows and norm; aux states scaled by "
-        "1/std); its readout from the target's LM-head rows, fc on raw states, its own random layer init",
-        "batch shape: ours pads the step's sequences to the longest; its packs them into one row of the "
-        "longest step's token count (padding computed, masked out of attention and loss)",
-        f"its head enters our eval by draft.init_from and one step at lr 1e-30 (train.max_steps >= 1, lr > 0): "
-        f"the checkpoint equals its weights to {drift:.1e} (relative)",
+        "same: the sequences of each step and their order (its batch sampler replaced by ours), steps, lr, "
+        f"warmup steps, TTT steps ({draft.ttt_steps}), aux layers, draft-vocabulary size ({overlap} of "
+        f"{draft.draft_vocab_size} draft tokens shared: each counts the trained tokens itself), bf16 autocast "
+        "over fp32 weights, one process, the same threads",
+        f"loss: ours {dict(loss.terms)} with TTT step weights {loss.ttt_decay}^s, feature noise "
+        f"{loss.feature_noise}, steps counted where the token is in the draft vocabulary; its kl_div (forward KL to "
+        "the target renormalised over the draft vocabulary) with step weights 1.0, no noise" + changed,
+        f"optimizer: ours AdamW (betas {tc.betas}, weight decay {tc.weight_decay}, grad clip {tc.grad_clip}); its "
+        "default Muon on the 2-D weights + AdamW (weight decay 0.01), grad clip 1.0; schedules: warmup then "
+        f"cosine, ours down to {tc.min_lr_ratio}×lr, its to 0",
+        "readout: ours the target's LM-head rows and final norm, trained; its the target's LM-head rows frozen "
+        "(its load_verifier_weights), its final norm from 1; ours scales fc's input by 1/std of the aux states",
+        "architecture: both the EAGLE-3 head vLLM's Eagle3LlamaForCausalLM loads (its 0.9 defaults norm_before_fc, "
+        "norm_output and norm_before_residual switched off: our drafter runs the plain head)",
+        "CPU adaptations of its trainer: sdpa attention instead of FlexAttention (no backward on the CPU), its "
+        "eager loss instead of the fused Triton one, model and batches on the CPU, autocast on the CPU",
+        "batch shape: ours pads a step's sequences to the longest; its packs them into one row as long as the "
+        "longest step (padding computed, masked out of attention and loss)",
+        "its head reaches our eval through draft.init_from and one step at lr 1e-30 (train.max_steps >= 1, lr > 0): "
+        f"that checkpoint equals its weights to {drift:.1e} (relative); its weights were saved in bf16",
     ]
+
+
+def vocabulary_overlap(released: Path, step_dir: Path) -> int:
+    """Draft tokens both heads have (target id = i + d2t[i])."""
+    import torch
+
+    from specdistill.formats import read_checkpoint
+    from specdistill.kinds.common.released import read_released
+
+    ids = [set((torch.arange(len(s["d2t"])) + s["d2t"].long()).tolist())
+           for s in (read_released(released)[1], read_checkpoint(step_dir)[1])]
+    return len(ids[0] & ids[1])
 
 
 def table(result: dict) -> str:

@@ -11,7 +11,8 @@ What speculators' EAGLE-3 trainer reads from `--data-path` (its `train/data.py A
 Our cache stores the aux states under the same convention (hidden_states[L], the input of layer L) but the
 last state *after* the final norm (`hidden_last`: lm_head(hidden_last) = logits). RMSNorm ignores the scale
 of its input, so hidden_last / norm.weight is a pre-norm state that the trainer's norm maps back to
-hidden_last (up to its eps): that is what the last slot holds.
+hidden_last (up to its eps, i.e. exactly where the states' mean square is >> eps, as a trained target's
+are): that is what the last slot holds.
 
 Rows are our train split then our held-out split, so the trainer's validation split is our held-out split
 (`train_data_ratio` from `split_ratio`).

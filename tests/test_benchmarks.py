@@ -19,3 +19,24 @@ def test_bench_runs_at_toy_size(name, tmp_path, monkeypatch):
 
 def test_unknown_bench_is_refused():
     assert run.main(["--toy", "no-such-bench"]) == 2
+
+
+def test_peer_bench_at_toy_size(tmp_path, monkeypatch):
+    """`make bench ARGS="peer --toy"`: both trainers on one converted cache, both heads through our eval."""
+    import json
+
+    from benchmarks import peer_bench
+
+    reason = peer_bench.missing_peer()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("SPECDISTILL_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert run.main(["peer", "--toy"]) == 0
+    result = json.loads((tmp_path / "checkpoints" / "bench" / "peer.json").read_text())
+    for arm in result["arms"].values():
+        assert arm["steps"] == 2 and arm["measured_tau"] >= 1.0 and arm["lossless"] is True
+        assert arm["heldout_top1"] is not None and arm["tokens_per_s"] > 0
+    assert result["arms"]["speculators"]["checkpoint"] == "step-0000001"  # its head, read by draft.init_from
+    assert result["eval_step_drift"] <= 1e-5 and result["draft_vocabulary_overlap"] > 0
