@@ -19,6 +19,7 @@ Rows are our train split then our held-out split, so the trainer's validation sp
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,6 +41,15 @@ def pre_norm_state(hidden_last: torch.Tensor, norm_weight: torch.Tensor) -> torc
     return (hidden_last.float() / norm_weight.float()).to(hidden_last.dtype)
 
 
+def bytes_needed(data: CacheDataset) -> int:
+    """Bytes of the hidden-state files for one split: per token the aux states and the last state."""
+    if not len(data):
+        return 0
+    item = data[0]
+    per_token = (item["hidden_aux"][0].numel() + item["hidden_last"][0].numel()) * item["hidden_aux"].element_size()
+    return sum(data.lengths) * per_token
+
+
 def write_offline_data(cache_dir: Path, out: Path, norm_weight: torch.Tensor) -> dict:
     """Write our cache at `cache_dir` as speculators' offline data under `out`; returns rows per split."""
     from datasets import Dataset
@@ -47,16 +57,20 @@ def write_offline_data(cache_dir: Path, out: Path, norm_weight: torch.Tensor) ->
     if not bool((norm_weight != 0).all()):
         raise SpecdistillError(f"{cache_dir}: the target's final norm has zero weights; its last state cannot be "
                                f"un-normed for speculators' trainer")
-    states = Path(out) / "hidden_states"
-    states.mkdir(parents=True, exist_ok=True)
-    columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    counts = {}
-    for split in SPLITS:
-        data = CacheDataset(cache_dir, split)
+    splits = {split: CacheDataset(cache_dir, split) for split in SPLITS}
+    for split, data in splits.items():
         missing = {"hidden_aux", "hidden_last"} - set(data.kinds)
         if missing:
             raise SpecdistillError(f"{cache_dir}: the {split} split has no {', '.join(sorted(missing))}; "
                                    f"speculators' EAGLE-3 trainer needs cache.store [hidden_aux, hidden_last]")
+    states = Path(out) / "hidden_states"
+    states.mkdir(parents=True, exist_ok=True)
+    need, free = sum(map(bytes_needed, splits.values())), shutil.disk_usage(states).free
+    if need > free:
+        raise SpecdistillError(f"{out}: speculators' copy of the cache needs {need / 2**30:.1f} GiB, the disk has "
+                               f"{free / 2**30:.1f} GiB free")
+    columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for data in splits.values():
         for i in range(len(data)):
             item = data[i]
             ids = item["input_ids"].long()
@@ -67,11 +81,11 @@ def write_offline_data(cache_dir: Path, out: Path, norm_weight: torch.Tensor) ->
             columns["input_ids"].append(ids.tolist())
             columns["loss_mask"].append(item["loss_mask"].long().tolist())
             columns["seq_len"].append(len(ids))
-        counts[split] = len(data)
     dataset = Dataset.from_dict(columns)
     dataset.set_format(type="torch")
     dataset.save_to_disk(str(out))
+    counts = {split: len(data) for split, data in splits.items()}
     summary = {"rows": counts, "train_data_ratio": split_ratio(counts["train"], sum(counts.values())),
-               "tokens": sum(columns["seq_len"])}
+               "tokens": sum(columns["seq_len"]), "bytes": need}
     write_json_atomic(Path(out) / "specdistill_source.json", {"cache": str(cache_dir), **summary})
     return summary

@@ -58,7 +58,11 @@ def test_offline_data_holds_our_cache_as_speculators_reads_it(tmp_path, smollm_t
             torch.testing.assert_close(norm(hs["hidden_states"][:, -1]), item["hidden_last"], atol=1e-4, rtol=1e-4)
 
 
-def test_offline_data_refuses_what_it_cannot_convert(tmp_path, tiny_target_dir):
+def test_offline_data_refuses_what_it_cannot_convert(tmp_path, tiny_target_dir, monkeypatch):
+    from collections import namedtuple
+
+    from benchmarks import peer_format
+
     run_dir = tmp_path / "run"
     write_cache(run_dir, tiny_target_dir, n_train=2, n_heldout=1)
     with pytest.raises(SpecdistillError, match="train split has no hidden_aux"):  # an EAGLE-1 cache
@@ -67,6 +71,12 @@ def test_offline_data_refuses_what_it_cannot_convert(tmp_path, tiny_target_dir):
     weight[3] = 0
     with pytest.raises(SpecdistillError, match="final norm has zero weights"):
         write_offline_data(layout.cache_dir(run_dir), tmp_path / "data2", weight)
+    add_aux_states(run_dir, tiny_target_dir, [0, 1, 2])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(peer_format.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(SpecdistillError, match=r"needs 0\.0 GiB, the disk has 0\.0 GiB free"):
+        write_offline_data(layout.cache_dir(run_dir), tmp_path / "data3", torch.ones(64))
+    assert not list((tmp_path / "data3").glob("hidden_states/*"))  # stopped before writing anything
 
 
 def test_split_ratio_is_exact_for_every_size():
