@@ -24,9 +24,12 @@ and datasets come from this project's environment):
         pydantic-settings==2.16.3 python-dotenv==1.2.4 openai==3.51.0 httpx==0.28.1 httpcore==1.0.9 \
         distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
 
-Adapted to the CPU at run time (`_cpu_patches`), nothing copied: its trainer moves the model and batches to
-`get_local_rank()` (the int 0, i.e. cuda:0) and autocasts on the accelerator's device type ("cuda" when there is
-none); here both are the CPU (autocast to bf16 on the CPU, as our bf16 training computes).
+Adapted to the CPU at run time, nothing of it copied: by its own flags, sdpa attention (its default FlexAttention
+has no backward on the CPU) and its eager loss (the fused one needs Triton); by `_cpu_patches` in its process,
+the model and batches on the CPU (it moves them to `get_local_rank()`, the int 0: cuda:0), autocast on the CPU (it
+autocasts on the accelerator's device type, "cuda" when there is none), a no-op `torch.accelerator.synchronize`
+(its step timer calls it; there is no accelerator); and the torchrun variables our in-process DeepSpeed left in
+the environment are not passed on (its trainer would start a process group on an accelerator).
 """
 from __future__ import annotations
 
@@ -39,6 +42,23 @@ import sys
 import time
 from importlib.machinery import PathFinder
 from pathlib import Path
+
+import torch
+
+from benchmarks.peer_format import write_offline_data
+from benchmarks.scaling_bench import EVAL
+from specdistill import layout
+from specdistill.cli import main as cli
+from specdistill.data.cache_reader import CacheDataset
+from specdistill.errors import SpecdistillError
+from specdistill.eval.results import result_at
+from specdistill.eval.tables import num
+from specdistill.eval.tables import table as markdown_table
+from specdistill.formats import read_checkpoint, read_json, read_jsonl, read_metrics, write_json_atomic
+from specdistill.kinds.common.released import read_released
+from specdistill.recipe import load_recipe
+from specdistill.target import load_target_config, read_target_tensors, resolve_aux_layers, resolve_target
+from specdistill.train.loop import step_micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_SITE_ENV = "SPECDISTILL_PEER_SITE"
@@ -104,7 +124,6 @@ def peer_argv(*, target_dir: str, data: Path, save: Path, logs: Path, recipe, au
 class OurStepOrder:
     """Stands in for its multipack batch sampler on the train split: step s packs exactly the sequences our
     step s reads (train/loop.py step_micro_batches), so both trainers see the same data in the same order."""
-
     def __init__(self, batches: list[list[int]]):
         self.batches = batches
 
@@ -117,7 +136,6 @@ class OurStepOrder:
 
 def _cpu_patches(order: list[list[int]], n_train: int, step_s: list[float]) -> None:
     """What its trainer assumes of CUDA, replaced for this process; and our data order on its train split."""
-    import torch
     from speculators.train import cli as peer_cli
     from speculators.train import dataloader as peer_loader
     from speculators.train import trainer as peer_trainer
@@ -159,8 +177,6 @@ def _cpu_patches(order: list[list[int]], n_train: int, step_s: list[float]) -> N
 
 def train_speculators(spec_path: Path) -> None:
     """The subprocess: token frequencies counted its way on the train rows, then its CLI's config and main."""
-    import torch
-
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     from datasets import load_from_disk
@@ -182,19 +198,15 @@ def train_speculators(spec_path: Path) -> None:
 
 def run_speculators(spec: dict, work: Path, site: Path) -> dict:
     """speculators' training in a subprocess with `site` on its path; what it measured."""
-    import torch
-
     spec = {**spec, "result": str(work / "train_result.json"), "threads": torch.get_num_threads()}
     (work / "train_spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}  # ours ran in this process
-    env = {**env, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "benchmarks.peer_bench", "--speculators-train",
                            str(work / "train_spec.json")], cwd=REPO, env=env)
     if done.returncode != 0:
-        from specdistill.errors import SpecdistillError
-
         raise SpecdistillError(f"peer_bench: speculators' trainer failed (exit {done.returncode}); its output is above")
     return {**json.loads(Path(spec["result"]).read_text()), "process_s": time.perf_counter() - t0}
 
@@ -202,9 +214,6 @@ def run_speculators(spec: dict, work: Path, site: Path) -> dict:
 # ---- the benchmark ------------------------------------------------------------------------------------
 
 def _stage(stage: str, recipe_path: str, overrides: list[str]) -> float:
-    from specdistill.cli import main as cli
-    from specdistill.errors import SpecdistillError
-
     t0 = time.perf_counter()
     if cli([stage, "--recipe", recipe_path, *overrides]) != 0:
         raise SpecdistillError(f"peer_bench: `specdistill {stage}` failed ({' '.join(overrides)})")
@@ -213,8 +222,6 @@ def _stage(stage: str, recipe_path: str, overrides: list[str]) -> float:
 
 def step_order(recipe, n_train: int) -> list[list[int]]:
     """Our trainer's sequences per optimizer step (one process: its micro batches, concatenated)."""
-    from specdistill.train.loop import step_micro_batches
-
     tc = recipe.train
     return [[i for micro in step_micro_batches(n_train, s, tc.micro_batch_size, tc.gradient_accumulation_steps,
                                                 1, 0, tc.seed) for i in micro] for s in range(tc.max_steps)]
@@ -222,8 +229,6 @@ def step_order(recipe, n_train: int) -> list[list[int]]:
 
 def last_checkpoint(save: Path) -> Path:
     """The directory of its last saved epoch (`<save>/<epoch>/`: config.json + model.safetensors)."""
-    from specdistill.errors import SpecdistillError
-
     epochs = sorted((d for d in save.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()),
                     key=lambda d: int(d.name)) if save.is_dir() else []
     if not epochs:
@@ -234,10 +239,6 @@ def last_checkpoint(save: Path) -> Path:
 def unchanged_by_the_step(released: Path, step_dir: Path) -> float:
     """Largest |difference| between speculators' head and the checkpoint our 1-step lr≈0 run wrote of it (fc
     compared as the function it computes: ours reads aux * aux_scale)."""
-    from specdistill.errors import SpecdistillError
-    from specdistill.formats import read_checkpoint
-    from specdistill.kinds.common.released import read_released
-
     _, theirs = read_released(released)
     _, ours = read_checkpoint(step_dir)
     ours = {**ours, "fc.weight": ours["fc.weight"].float() * ours["aux_scale"].float()[None, :]}
@@ -257,10 +258,6 @@ def unchanged_by_the_step(released: Path, step_dir: Path) -> float:
 
 def arm(recipe, train_s: float | None, step_s: list[float] | None) -> dict:
     """What one run measured: its last checkpoint's held-out metrics and its eval at T=0."""
-    from specdistill import layout
-    from specdistill.eval.results import result_at
-    from specdistill.formats import read_json, read_jsonl, read_metrics
-
     step_dir = layout.checkpoints(recipe.run_dir)[-1]
     metrics = read_metrics(step_dir) or {}
     held = metrics.get("heldout") or {}
@@ -279,18 +276,7 @@ def arm(recipe, train_s: float | None, step_s: list[float] | None) -> dict:
 
 
 def peer(recipe_path: str, overrides: list[str], peer_args: list[str]) -> dict:
-    import torch
-
-    from specdistill import layout
-    from specdistill.data.cache_reader import CacheDataset
-    from specdistill.errors import SpecdistillError
-    from specdistill.formats import read_metrics, write_json_atomic
-    from specdistill.recipe import load_recipe
-    from specdistill.target import load_target_config, read_target_tensors, resolve_aux_layers, resolve_target
-
-    from benchmarks.peer_format import write_offline_data
-    from benchmarks.scaling_bench import EVAL
-
+    """Run the whole comparison (module docstring, steps 1-5); the result peer.json holds."""
     site = peer_site()
     reason = missing_peer(site)
     if reason:
@@ -374,8 +360,13 @@ def notes(recipe, drift: float, overlap: int, peer_args: list[str]) -> list[str]
         "norm_output and norm_before_residual switched off: our drafter runs the plain head)",
         "CPU adaptations of its trainer: sdpa attention instead of FlexAttention (no backward on the CPU), its "
         "eager loss instead of the fused Triton one, model and batches on the CPU, autocast on the CPU",
-        "batch shape: ours pads a step's sequences to the longest; its packs them into one row as long as the "
-        "longest step (padding computed, masked out of attention and loss)",
+        "batch shape: ours pads a step's sequences to the longest (attention within each sequence); its packs them "
+        "into one row as long as the longest step, and sdpa computes attention over that whole row under a "
+        "block-diagonal mask (~sequences-per-step times the attention work; FlexAttention on a GPU skips the "
+        "masked blocks): its tokens/s here is a CPU figure, not its GPU design's",
+        "wall time: ours the whole `specdistill train` stage (DeepSpeed start, held-out metrics at every "
+        "checkpoint); its `cli.main` (model build, the data loaders, one validation pass, its save); tokens/s "
+        "counts the optimizer steps only (each step's batch read included), the same tokens for both",
         "its head reaches our eval through draft.init_from and one step at lr 1e-30 (train.max_steps >= 1, lr > 0): "
         f"that checkpoint equals its weights to {drift:.1e} (relative); its weights were saved in bf16",
     ]
@@ -383,20 +374,12 @@ def notes(recipe, drift: float, overlap: int, peer_args: list[str]) -> list[str]
 
 def vocabulary_overlap(released: Path, step_dir: Path) -> int:
     """Draft tokens both heads have (target id = i + d2t[i])."""
-    import torch
-
-    from specdistill.formats import read_checkpoint
-    from specdistill.kinds.common.released import read_released
-
     ids = [set((torch.arange(len(s["d2t"])) + s["d2t"].long()).tolist())
            for s in (read_released(released)[1], read_checkpoint(step_dir)[1])]
     return len(ids[0] & ids[1])
 
 
 def table(result: dict) -> str:
-    from specdistill.eval.tables import num
-    from specdistill.eval.tables import table as markdown_table
-
     k = result["arms"]["ours"].get("chain_k") or "K"
     header = ["trainer", "held-out top-1", f"held-out sim. τ (chain, T=0, K={k})", "sim. τ (continuations)",
               "measured τ (T=0)", "speedup (T=0)", "train wall s", "train tokens/s (steps)"]
