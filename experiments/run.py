@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,13 +63,12 @@ def pinned_file(recipe) -> str:
 
 
 def run_stages(exp, arm: str, recipe_path: str, stages) -> dict:
-    """Each stage through the CLI, in this process; the seconds each took."""
-    from specdistill.cli import main as cli
-
+    """Each stage in its own process, as `make distill` runs them (one process holding every arm's stages grew
+    past 10 GB); the seconds each took."""
     seconds = {}
     for stage in stages:
         started = time.time()
-        if cli([stage, "--recipe", recipe_path]) != 0:
+        if subprocess.run([sys.executable, "-m", "specdistill.cli", stage, "--recipe", recipe_path]).returncode != 0:
             raise SystemExit(f"experiment {exp.name}: arm {arm}: {stage} failed")
         seconds[stage] = round(time.time() - started, 1)
     return seconds
