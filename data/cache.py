@@ -44,7 +44,7 @@ from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
                                 load_tokenizer, resolve_aux_layers, resolve_target, target_logits_from_hidden,
                                 target_weight_files)
-from specdistill.train.processes import launcher_command, process_env
+from specdistill.train.processes import launcher_command, launcher_port, process_env, remove_shm_buffers
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
@@ -598,8 +598,9 @@ def run(recipe, args=None) -> dict:
 
     resolved = recipe.run_dir / "cache_recipe.yaml"  # what every rank loads
     write_yaml(resolved, recipe_dump(recipe))
-    done = subprocess.run(launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes),
-                          env=process_env(device, processes))
+    cmd = launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes)
+    done = subprocess.run(cmd, env=process_env(device, processes))
+    remove_shm_buffers(launcher_port(cmd))
     if done.returncode != 0:
         raise SpecdistillError(f"cache: the DeepSpeed launcher exited with status {done.returncode} (see the "
                                f"messages above); rerun `specdistill cache` to resume")

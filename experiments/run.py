@@ -4,12 +4,15 @@ results and the table the README renders (`python -m experiments.render`).
 
 Runners: `exactness` (the eval's own batch-invariance check, eval/exactness.py, on the real target in each
 arm's runtime: a minute on 2 cores) renders its table itself. `pipeline` (prepare -> cache -> train -> eval
-per arm) and `bench` (a `make bench` entry) keep their raw results in the record; their README tables were
-transcribed from the sessions that ran them (each record says so in `provenance`), and a rerun records the
-raw results beside the transcribed table for a reader to compare.
+per arm) keeps each arm's raw results (stage times, training tokens/s, eval JSONs) and computes its table with
+experiments/tables.py where that has a formatter for it (`python -m experiments.run NAME --table` recomputes it
+from the record); `bench` (a `make bench` entry) keeps its output. Tables without a formatter were transcribed
+from the sessions that ran them (each record says so in `provenance`), and a rerun records the raw results
+beside the transcribed table for a reader to compare.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import subprocess
@@ -20,10 +23,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.run import BENCHES
+from experiments import tables
 from experiments.schema import RECORDS, load, pinned_recipe
 from specdistill import device, provenance
 from specdistill.formats import read_jsonl
 from specdistill.recipe import recipe_dump
+
+PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "report", "export")  # what `make distill` runs
+BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": ()}  # the decode bench reads the last checkpoint
 
 
 def run_exactness(exp) -> tuple[dict, list[list]]:
@@ -47,30 +55,46 @@ def run_exactness(exp) -> tuple[dict, list[list]]:
     return results, rows
 
 
-def run_pipeline(exp) -> tuple[dict, None]:
-    from specdistill.cli import main as cli
+def pinned_file(recipe) -> str:
+    """The arm's full recipe as a file the stages and benches read (JSON is YAML)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(json.dumps(recipe_dump(recipe)))
+    return fh.name
 
+
+def run_stages(exp, arm: str, recipe_path: str, stages) -> dict:
+    """Each stage in its own process, as `make distill` runs them (one process holding every arm's stages grew
+    past 10 GB); the seconds each took."""
+    seconds = {}
+    for stage in stages:
+        started = time.time()
+        if subprocess.run([sys.executable, "-m", "specdistill.cli", stage, "--recipe", recipe_path]).returncode != 0:
+            raise SystemExit(f"experiment {exp.name}: arm {arm}: {stage} failed")
+        seconds[stage] = round(time.time() - started, 1)
+    return seconds
+
+
+def run_pipeline(exp) -> tuple[dict, list[list] | None]:
     results = {}
     for arm in exp.arms:
         recipe = pinned_recipe(exp, arm)
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-            fh.write(json.dumps(recipe_dump(recipe)))
-        seconds = {}
-        for stage in ("prepare", "cache", "train", "eval"):
-            started = time.time()
-            if cli([stage, "--recipe", fh.name]) != 0:
-                raise SystemExit(f"experiment {exp.name}: arm {arm}: {stage} failed")
-            seconds[stage] = round(time.time() - started, 1)
+        seconds = run_stages(exp, arm, pinned_file(recipe), PIPELINE_STAGES)
         steps = read_jsonl(recipe.run_dir / "train_log.jsonl")
+        # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
         results[arm] = {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
-                        "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[1:] or steps),
+                        "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
                         "eval": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))}}
-    return results, None
+    return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
 
 
 def run_bench(exp) -> tuple[dict, None]:
-    done = subprocess.run(exp.command, shell=True, capture_output=True, text=True, check=True)
-    return {"stdout": done.stdout[-20000:]}, None
+    """The `make bench` entry `exp.bench` on each arm's pinned recipe, after the stages it reads from disk."""
+    results = {}
+    for arm in exp.arms:
+        path = pinned_file(pinned_recipe(exp, arm))
+        run_stages(exp, arm, path, BENCH_NEEDS[exp.bench])
+        results[arm] = json.loads(json.dumps(importlib.import_module(BENCHES[exp.bench]).main(path), default=str))
+    return results, None
 
 
 RUNNERS = {"exactness": run_exactness, "pipeline": run_pipeline, "bench": run_bench}
@@ -94,10 +118,22 @@ def main(name: str) -> Path:
     if rows is None and previous is not None:
         record["provenance"] += f"; table kept from the earlier record ({previous['provenance']})"
     RECORDS.mkdir(exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def retable(name: str) -> Path:
+    """Recompute a record's table from the results it holds (a formatter changed; nothing is run)."""
+    exp, out = load(name), RECORDS / f"{name}.json"
+    record = json.loads(out.read_text())
+    if name not in tables.ROWS:
+        raise SystemExit(f"{out}: its table was transcribed, not computed (experiments/tables.py has no {name!r})")
+    record["table"] = {"columns": exp.columns, "rows": tables.ROWS[name](record["results"])}
+    out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {out}")
     return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    retable(sys.argv[1]) if sys.argv[2:] == ["--table"] else main(sys.argv[1])

@@ -29,6 +29,7 @@ class Experiment(BaseModel):
     readme_section: str  # the README section holding the table (its marker: <!-- experiment: NAME -->)
     command: str  # what reproduces the table, as a user types it
     runner: Literal["pipeline", "bench", "exactness"]
+    bench: Literal["decode", "runtime"] | None = None  # runner bench: the `make bench` entry, on the pinned recipe
     recipe: dict
     arms: dict[str, list[str]] = {"main": []}
     columns: list[str]
@@ -56,6 +57,10 @@ def load(name: str) -> Experiment:
                                                        for x in e.errors())) from None
     if exp.name != name:
         raise SpecdistillError(f"{path}: name {exp.name!r} differs from the file's {name!r}")
+    if exp.command != f"python -m experiments.run {name}":  # the one command that runs the pinned settings
+        raise SpecdistillError(f"{path}: command must be `python -m experiments.run {name}`, not {exp.command!r}")
+    if (exp.runner == "bench") != (exp.bench is not None):
+        raise SpecdistillError(f"{path}: bench names the benchmark of runner bench, and only of it")
     for arm, overrides in exp.arms.items():
         recipe = pinned_recipe(exp, arm)
         full = recipe_dump(recipe)

@@ -321,7 +321,6 @@ def test_greedy_identical_on_real_target(smollm, smollm_tokenizer):
     from tests.conftest import tiny_model
 
     questions = ["What is the capital of France? Answer in one sentence.",
-                 "Write a haiku about autumn leaves.",
                  "Explain recursion to a five-year-old."]
     prompts = [smollm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False) for q in questions]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import render, schema
+from experiments import render, schema, tables
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import recipe_dump
 
@@ -54,3 +54,27 @@ def test_exactness_record_table_is_its_results():
         assert row[0] == f"`{arm}`"
         assert row[1:-1] == ["yes" if c["bitwise_identical"] else "**no**" for c in check["checks"]]
     assert record["hardware"]["cpu"] and record["code_version"]
+
+
+@pytest.mark.parametrize("name", sorted(tables.ROWS))
+def test_a_computed_table_is_its_results(name):
+    """A pipeline table computed from raw results (experiments/tables.py) says what those results say."""
+    record = render.read_record(name)
+    assert record["provenance"].startswith("run by")
+    assert record["table"]["rows"] == tables.ROWS[name](record["results"])
+
+
+def test_a_hand_edited_record_number_is_caught():
+    record = render.read_record("medusa-vs-eagle3")
+    record["table"]["rows"][0][3] = "9.999"
+    assert record["table"]["rows"] != tables.ROWS["medusa-vs-eagle3"](record["results"])
+
+
+def test_a_command_that_does_not_run_the_pinned_settings_is_refused(tmp_path, monkeypatch):
+    exp = schema.load("runtime-bench")
+    monkeypatch.setattr(schema, "EXPERIMENTS", tmp_path)
+    for change, message in (({"command": "make bench ARGS=runtime"}, "command must be"),
+                            ({"bench": None}, "bench names the benchmark")):
+        (tmp_path / "runtime-bench.yaml").write_text(json.dumps({**exp.model_dump(), **change}))
+        with pytest.raises(SpecdistillError, match=message):
+            schema.load("runtime-bench")

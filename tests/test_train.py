@@ -235,7 +235,10 @@ def test_two_processes_match_one(tmp_path, tiny_target_dir, checkpoints_root):
     for r in (one, two):
         write_cache(r.run_dir, tiny_target_dir)
     launch.run(one)
+    buffers = lambda: set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    before = buffers()
     launch.run(two)  # the DeepSpeed launcher, 2 CPU processes (gloo)
+    assert buffers() <= before, "the ranks' shared-memory all-reduce segments outlived the run"
     a, b = read_log(one.run_dir), read_log(two.run_dir)
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b):

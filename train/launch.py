@@ -20,7 +20,7 @@ from specdistill.formats import read_manifest, read_metrics, read_yaml, write_js
 from specdistill.recipe import recipe_dump
 from specdistill.train.ds_config import build_ds_config
 from specdistill.train.loop import train
-from specdistill.train.processes import launcher_command, process_env, use_accelerator
+from specdistill.train.processes import launcher_command, launcher_port, process_env, remove_shm_buffers, use_accelerator
 
 
 def write_run_files(recipe) -> Path:
@@ -153,6 +153,7 @@ def run_launcher(recipe, cmd: list[str], env: dict) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        remove_shm_buffers(launcher_port(cmd))
     preempted = preemption.was_preempted(run_dir, since)
     if preempted is not None:
         raise preempted

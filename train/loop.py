@@ -198,7 +198,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
         if rank == 0:
             print(f"resuming from {latest.name}", flush=True)
     meta = {"kind": draft_kind.NAME, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
-            "loss": recipe.loss.model_dump(mode="json"), "feature_std": objective.feature_std}
+            "loss": recipe.loss.model_dump(mode="json"), **objective.recorded()}
     heldout = _heldout_batches(cache, recipe, device)
     if rank == 0:
         _trim_log(run_dir, start)

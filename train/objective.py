@@ -24,7 +24,6 @@ class Objective(nn.Module):
     """The base: the head as its one submodule (what DeepSpeed trains and saves); the target's frozen
     parts and the loss settings as plain attributes. The default loss is the distribution loss."""
 
-    feature_std: float | None = None  # EAGLE-1 sets its noise scale; recorded in draft_config.json
     progress: float = 0.0  # share of training done, set by the loop before each step (the hybrid objective's ramp)
 
     def __init__(self, head: nn.Module, parts, loss_cfg, data=None):
@@ -41,6 +40,10 @@ class Objective(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.head.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def recorded(self) -> dict:
+        """What the kind measured on the data and records in draft_config.json beside the draft's own config."""
+        return {}
 
     def loss(self, pred: dict):
         """(loss, {component: value}) for one micro batch."""

@@ -60,6 +60,22 @@ def launcher_command(module: str, args: list[str], num_gpus: int, num_nodes: int
     return cmd + ["--master_port", str(free_port()), "--module", module, *args]
 
 
+def launcher_port(cmd: list[str]) -> str:
+    """The master port a `launcher_command` gave its ranks."""
+    return cmd[cmd.index("--master_port") + 1]
+
+
+def remove_shm_buffers(port: str) -> list[Path]:
+    """DeepSpeed's CPU all-reduce maps one /dev/shm segment per rank, named by uid, address and master port
+    (its shm.cpp), and never unlinks it: 66 MB of RAM per rank per multi-process CPU run, held until reboot
+    (a machine here lost 12 GB to them, and the next run was killed for memory). Whoever launched the ranks
+    removes them once the ranks are gone (a killed rank could not); on this node only."""
+    found = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def use_accelerator(device: torch.device) -> None:
     """Point DeepSpeed at the device's accelerator before anything asks it, and refuse a mismatch (DeepSpeed
     caches its first answer: a process that already chose another one would train on it silently)."""

@@ -36,6 +36,9 @@ class Objective(objective.Objective):
         super().__init__(head, parts, loss_cfg)
         self.feature_std = feature_std(data) if data is not None else 1.0
 
+    def recorded(self) -> dict:
+        return {"feature_std": self.feature_std}  # the noise scale, so a reader knows what the head was trained with
+
     def forward(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         """q/p logits at the counted positions, plus f_hat and f [M, H] for the feature regression."""
         if "hidden_last" not in batch:

@@ -1,0 +1,52 @@
+"""The README table of a pipeline experiment, computed from the raw results its run recorded.
+
+`ROWS[name](results)` gives the table's rows from experiments/records/<name>.json's `results` (what
+`experiments.run` stored per arm: stage times, training tokens/s, the eval JSON of each decoded checkpoint);
+`python -m experiments.run NAME --table` recomputes the table of a record without running anything.
+Pipeline experiments that are not here keep the table transcribed when the record was made.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+def f2(x) -> str:
+    return f"{x:.2f}"
+
+
+def times(x, ci=None) -> str:
+    return f"{x:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def last_eval(arm: dict) -> dict:
+    """The eval JSON of the arm's last decoded checkpoint."""
+    return arm["eval"][sorted(arm["eval"])[-1]]
+
+
+def kinds_side_by_side(results: dict) -> list[list[str]]:
+    """One row per arm (draft kind): what issue 21 compares at equal cache and budget."""
+    rows = []
+    for name, arm in results.items():
+        ev = last_eval(arm)
+        by_t = {r["temperature"]: r for r in ev["results"]}
+        t0, t1 = by_t[0.0], by_t.get(1.0)
+        held = ev["offline"]["heldout"]
+        tree = t0.get("tree")
+        lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
+        rows.append([
+            f"{ev['draft_kind']} ({ev['checkpoint']})",
+            f"{arm['train_tokens_per_s']:.0f}",
+            " / ".join(f"{x:.3f}" for x in held["top1_at"][:4]),
+            f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
+            f2(t0["tau"]) + (" lossless" if t0["lossless"] else " **not lossless**"),
+            times(t0["speedup"], t0.get("speedup_ci95")),
+            f2(t1["tau"]) if t1 else "",
+            times(t1["speedup"], t1.get("speedup_ci95")) if t1 else "",
+            f"{f2(tree['tau'])} / {times(tree['speedup'])}" if tree else "",
+            f"{t0['d']:.3f}",
+            times(lookup["speedup"]) if lookup else "",
+        ])
+    return rows
+
+
+ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side}
