@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
                                 load_tokenizer, resolve_aux_layers, resolve_target, target_logits_from_hidden,
                                 target_weight_files)
-from specdistill.train.processes import launcher_command, launcher_port, process_env, remove_shm_buffers
+from specdistill.train.processes import launcher_command, process_env, run_ranks
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
@@ -598,9 +597,8 @@ def run(recipe, args=None) -> dict:
 
     resolved = recipe.run_dir / "cache_recipe.yaml"  # what every rank loads
     write_yaml(resolved, recipe_dump(recipe))
-    cmd = launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes)
-    done = subprocess.run(cmd, env=process_env(device, processes))
-    remove_shm_buffers(launcher_port(cmd))
+    done = run_ranks(launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes),
+                     process_env(device, processes))
     if done.returncode != 0:
         raise SpecdistillError(f"cache: the DeepSpeed launcher exited with status {done.returncode} (see the "
                                f"messages above); rerun `specdistill cache` to resume")

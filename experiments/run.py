@@ -117,6 +117,10 @@ def main(name: str) -> Path:
     }
     if rows is None and previous is not None:
         record["provenance"] += f"; table kept from the earlier record ({previous['provenance']})"
+    return write_record(out, record)
+
+
+def write_record(out: Path, record: dict) -> Path:
     RECORDS.mkdir(exist_ok=True)
     out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {out}")
@@ -130,9 +134,7 @@ def retable(name: str) -> Path:
     if name not in tables.ROWS:
         raise SystemExit(f"{out}: its table was transcribed, not computed (experiments/tables.py has no {name!r})")
     record["table"] = {"columns": exp.columns, "rows": tables.ROWS[name](record["results"])}
-    out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {out}")
-    return out
+    return write_record(out, record)
 
 
 if __name__ == "__main__":

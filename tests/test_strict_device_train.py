@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -189,8 +188,7 @@ def test_cache_pass_split_over_two_ranks_equals_one_process_and_resumes(tmp_path
         cmd = processes.launcher_command("specdistill.data.cache", ["--recipe", str(recipe), "run_name=r",
                                                                     f"cache.dir={tmp_path / 'two'}", *settings], 2)
         env = processes.process_env(torch.device("cpu"), 2, dict(os.environ))
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        processes.remove_shm_buffers(processes.launcher_port(cmd))
+        done = processes.run_ranks(cmd, env, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return read_manifest(tmp_path / "runs" / "r" / "cache")
 

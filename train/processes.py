@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def launcher_command(module: str, args: list[str], num_gpus: int, num_nodes: int
 def launcher_port(cmd: list[str]) -> str:
     """The master port a `launcher_command` gave its ranks."""
     return cmd[cmd.index("--master_port") + 1]
+
+
+def run_ranks(cmd: list[str], env: dict, **kwargs) -> subprocess.CompletedProcess:
+    """Run a `launcher_command` to its end, then remove what its ranks left in /dev/shm."""
+    try:
+        return subprocess.run(cmd, env=env, **kwargs)
+    finally:
+        remove_shm_buffers(launcher_port(cmd))
 
 
 def remove_shm_buffers(port: str) -> list[Path]:
