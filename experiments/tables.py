@@ -49,4 +49,21 @@ def kinds_side_by_side(results: dict) -> list[list[str]]:
     return rows
 
 
-ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side}
+def arms(results: dict) -> list[list[str]]:
+    """One row per arm of a screen: its training wall clock and throughput, its offline and measured τ at T=0,
+    and prompt lookup where the arm ran the comparators."""
+    rows = []
+    for name, arm in results.items():
+        ev = last_eval(arm)
+        t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
+        held = ev["offline"]["heldout"]
+        minutes, seconds = divmod(round(arm["stage_seconds"]["train"]), 60)
+        lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
+        rows.append([name, f"{minutes}:{seconds:02d}", f"{arm['train_tokens_per_s']:.0f}", f"{held['top1_at'][0]:.3f}",
+                     f"{held['chain_tau']['0']:.3f}", f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
+                     f2(t0["tau"]), times(t0["speedup"], t0.get("speedup_ci95")),
+                     times(lookup["speedup"]) if lookup else "—"])
+    return rows
+
+
+ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms}
