@@ -10,7 +10,9 @@ the benchmark still runs; tests/test_benchmarks.py runs every one of them that w
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
+import time
 
 from specdistill import device
 
@@ -23,6 +25,16 @@ BENCHES = {
     "peer": "benchmarks.peer_bench",       # our EAGLE-3 trainer vs vllm-project/speculators' on the same data
 }
 LONG = {"scaling", "peer"}  # run only when named; it takes its own arguments (the rest of the line)
+
+
+def run_stage(stage: str, recipe_path: str, overrides=()) -> float:
+    """One pipeline stage in its own process, as `make distill` runs it (one process holding several runs'
+    stages grew past 10 GB); the seconds it took. Stops with the stage named if it fails."""
+    started = time.time()
+    cmd = [sys.executable, "-m", "specdistill.cli", stage, "--recipe", recipe_path, *overrides]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"{stage} failed: {' '.join(cmd[2:])}")
+    return round(time.time() - started, 1)
 
 
 def main(argv: list[str]) -> int:

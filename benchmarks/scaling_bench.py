@@ -20,9 +20,8 @@ import argparse
 import os
 import sys
 
+from benchmarks.run import run_stage
 from specdistill import layout
-from specdistill.cli import main as cli
-from specdistill.errors import SpecdistillError
 from specdistill.eval.plots import plot_tau_vs_tokens
 from specdistill.eval.results import result_at
 from specdistill.eval.scaling import fit_text, scaling_fits
@@ -32,6 +31,7 @@ from specdistill.formats import read_json, read_metrics, write_json_atomic
 from specdistill.recipe import load_recipe
 
 DEFAULT_RECIPE = "recipes/smollm2-135m-eagle3.yaml"
+FRACTIONS = [0.125, 0.25, 0.5, 1.0]  # of the recipe's train.max_steps
 EVAL = ["eval.checkpoints=last", "eval.temperature=[0]", "eval.k_sweep=[]", "eval.tree=null",
         "eval.comparators=false"]
 
@@ -52,6 +52,7 @@ def point(recipe_path: str, overrides: list[str]) -> dict:
     e = read_json(layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json")
     return {"run": "scaling", "checkpoint": recipe.run_name, "step": layout.step_of(step_dir),
             "tokens_seen": (read_metrics(step_dir) or {}).get("tokens_seen"), "k": recipe.eval.k,
+            "heldout_top1": (held.get("top1_at") or [None])[0],
             "simulated": (held.get("chain_tau") or {}).get("0"),
             "continuations": ((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau"),
             "measured": result_at(e, 0.0).get("tau"), "stale": False, "evaluated": True}
@@ -59,15 +60,15 @@ def point(recipe_path: str, overrides: list[str]) -> dict:
 
 def scaling(recipe_path: str, fractions: list[float], overrides: list[str],
             stages=("prepare", "cache", "train", "eval")) -> dict:
-    """Run every size (stages in order per run; the cache is shared, so only the first run pays for it)."""
+    """Run every size (stages in order per run, each in its own process; the cache is shared, so only the first
+    run pays for it)."""
     base = load_recipe(recipe_path, overrides)
     sizes = sorted({max(1, round(f * base.train.max_steps)) for f in fractions})
     points = []
     for steps in sizes:
         run = overrides + run_overrides(base, steps)
         for stage in stages:
-            if cli([stage, "--recipe", recipe_path, *run, *(EVAL if stage == "eval" else [])]) != 0:
-                raise SpecdistillError(f"scaling: {stage} failed for the {steps}-step run")
+            run_stage(stage, recipe_path, [*run, *(EVAL if stage == "eval" else [])])
         points.append(point(recipe_path, run))
     fits = scaling_fits(points)
     out = base.run_dir.parent / "bench"  # beside the runs, as checkpoints/bench/runtime.json
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     """argv: this benchmark's own arguments (`make bench ARGS="scaling --fractions ..."` passes what follows)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0])
+    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.run import BENCHES
+from benchmarks.run import BENCHES, run_stage
 from experiments import tables
 from experiments.schema import RECORDS, load, pinned_recipe
 from specdistill import device, provenance
@@ -31,7 +30,8 @@ from specdistill.formats import read_jsonl
 from specdistill.recipe import recipe_dump
 
 PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "report", "export")  # what `make distill` runs
-BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": ()}  # the decode bench reads the last checkpoint
+# the decode bench reads the last checkpoint; the scaling bench runs its own stages (one run per data size)
+BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": ()}
 
 
 def run_exactness(exp) -> tuple[dict, list[list]]:
@@ -62,23 +62,16 @@ def pinned_file(recipe) -> str:
     return fh.name
 
 
-def run_stages(exp, arm: str, recipe_path: str, stages) -> dict:
-    """Each stage in its own process, as `make distill` runs them (one process holding every arm's stages grew
-    past 10 GB); the seconds each took."""
-    seconds = {}
-    for stage in stages:
-        started = time.time()
-        if subprocess.run([sys.executable, "-m", "specdistill.cli", stage, "--recipe", recipe_path]).returncode != 0:
-            raise SystemExit(f"experiment {exp.name}: arm {arm}: {stage} failed")
-        seconds[stage] = round(time.time() - started, 1)
-    return seconds
+def run_stages(recipe_path: str, stages) -> dict:
+    """Each stage in its own process, as `make distill` runs them; the seconds each took."""
+    return {stage: run_stage(stage, recipe_path) for stage in stages}
 
 
 def run_pipeline(exp) -> tuple[dict, list[list] | None]:
     results = {}
     for arm in exp.arms:
         recipe = pinned_recipe(exp, arm)
-        seconds = run_stages(exp, arm, pinned_file(recipe), PIPELINE_STAGES)
+        seconds = run_stages(pinned_file(recipe), PIPELINE_STAGES)
         steps = read_jsonl(recipe.run_dir / "train_log.jsonl")
         # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
         results[arm] = {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
@@ -87,14 +80,17 @@ def run_pipeline(exp) -> tuple[dict, list[list] | None]:
     return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
 
 
-def run_bench(exp) -> tuple[dict, None]:
-    """The `make bench` entry `exp.bench` on each arm's pinned recipe, after the stages it reads from disk."""
+def run_bench(exp) -> tuple[dict, list[list] | None]:
+    """The `make bench` entry `exp.bench` on each arm's pinned recipe, after the stages it reads from disk; the
+    table computed from its output where experiments/tables.py has a formatter for it."""
     results = {}
     for arm in exp.arms:
         path = pinned_file(pinned_recipe(exp, arm))
-        run_stages(exp, arm, path, BENCH_NEEDS[exp.bench])
-        results[arm] = json.loads(json.dumps(importlib.import_module(BENCHES[exp.bench]).main(path), default=str))
-    return results, None
+        run_stages(path, BENCH_NEEDS[exp.bench])
+        bench = importlib.import_module(BENCHES[exp.bench])
+        out = bench.scaling(path, bench.FRACTIONS, []) if exp.bench == "scaling" else bench.main(path)
+        results[arm] = json.loads(json.dumps(out, default=str))
+    return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
 
 
 RUNNERS = {"exactness": run_exactness, "pipeline": run_pipeline, "bench": run_bench}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from specdistill.eval.scaling import fit_text
+
 
 def f2(x) -> str:
     return f"{x:.2f}"
@@ -66,4 +68,31 @@ def arms(results: dict) -> list[list[str]]:
     return rows
 
 
-ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms}
+def scaling(results: dict) -> list[list[str]]:
+    """One row per data size of the scaling bench (its complete runs), then one per fitted series."""
+    result = results["main"]
+    rows = []
+    for p in result["points"]:
+        gap = p["continuations"] - p["measured"]
+        rows.append([str(p["step"]), f"{p['tokens_seen']:,}", f"{p['heldout_top1']:.3f}", f"{p['simulated']:.3f}",
+                     f"{p['continuations']:.3f}", f2(p["measured"]), f"{gap:+.3f}"])
+    return rows + [["fit: " + fit_text(f, False).removeprefix("- "), "", "", "", "", "", ""] for f in result["fits"]]
+
+
+def runtimes(results: dict) -> list[list[str]]:
+    """One row per runtime of the runtime bench; ratios against eager-fp32 (the runtime before eval/runtime.py)."""
+    report = results["main"]
+    ref = report["runtimes"]["eager-fp32"]["ar_tokens_per_s"]
+    rows = []
+    for name, r in report["runtimes"].items():
+        ms, v = r["forward_ms"], r["v"]
+        label = {"eager-fp32": "eager-fp32 (the old runtime)", report["default"]: f"**{name} (default)**"}.get(name, name)
+        ratio = times(r["ar_tokens_per_s"] / ref)
+        rows.append([label, f"{ms['1']:.1f}", f"{ms['2']:.1f}", f"{ms['5']:.1f}", f"{ms['9']:.1f}", f2(v["4"]),
+                     f2(v["5"]), f2(v["9"]), f2(r["draft_step_ms"]), f"{r['d']:.3f}", f"{r['ar_tokens_per_s']:.1f}",
+                     f"**{ratio}**" if name == report["default"] else ratio, f"{r['hf_generate_tokens_per_s']:.1f}"])
+    return rows
+
+
+ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
+                                                      "scaling": scaling, "runtime-bench": runtimes}

@@ -26,7 +26,7 @@ def package_modules() -> list[str]:
 
 # One interpreter imports the third-party libraries (seconds of torch/transformers/deepspeed start-up, paid once),
 # never this package; then each module is imported first in a fork of it, so every fork meets the package
-# fresh: an import cycle among our modules fails there whatever was loaded before.
+# fresh: an import cycle among our modules fails there whatever was loaded before. Forks run one per core.
 FORK_EACH = """
 import json, os, sys
 for lib in ("torch", "transformers", "deepspeed", "safetensors", "pydantic", "yaml", "numpy", "tqdm", "datasets",
@@ -36,8 +36,21 @@ for lib in ("torch", "transformers", "deepspeed", "safetensors", "pydantic", "ya
     except ImportError:
         pass
 assert not any(m == "specdistill" or m.startswith("specdistill.") for m in sys.modules)
-failed = {}
+failed, running = {}, {}
+
+
+def reap():
+    pid, _ = os.wait()
+    module, read = running.pop(pid)
+    with os.fdopen(read) as fh:  # a child's message is short: it fits the pipe before the child exits
+        message = fh.read()
+    if message:
+        failed[module] = message
+
+
 for module in sys.argv[1:]:
+    if len(running) >= (os.cpu_count() or 1):
+        reap()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -50,11 +63,9 @@ for module in sys.argv[1:]:
         os.write(write, message.encode())
         os._exit(0)
     os.close(write)
-    with os.fdopen(read) as fh:
-        message = fh.read()
-    os.waitpid(pid, 0)
-    if message:
-        failed[module] = message
+    running[pid] = (module, read)
+while running:
+    reap()
 print(json.dumps(failed))
 """
 
