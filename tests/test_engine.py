@@ -273,37 +273,13 @@ def test_sampling_distribution_matches_target(draft_name):
 
 def wrong_verify_chain(p, q, draft, generator=None):
     """A deliberately wrong rule that only differs from the exact one at depth >= 2: after a full acceptance
-    the bonus token is drawn from the distribution of the last drafted position (p[K-1]) instead of p[K]."""
+    the bonus token is drawn from the distribution of the last drafted position (p[K-1]) instead of p[K].
+    (tests/test_exactness.py shows the joint test rejecting it, and the other wrong rules, on the default runtime.)"""
     a, nxt = sampling.verify_chain(p, q, draft, generator)
     k = draft.shape[0]
     if k >= 2 and a == k:
         nxt = int(sampling.sample(p[k - 1], generator))
     return a, nxt
-
-
-def wrong_residual_verify_chain(p, q, draft, generator=None):
-    """A deliberately wrong rule: a rejected token is replaced by a sample of p instead of the residual."""
-    k = draft.shape[0]
-    if not k:
-        return 0, int(sampling.sample(p[0], generator))
-    u = torch.rand(k, generator=generator)
-    rows = torch.arange(k)
-    ok = sampling.accept_mask(p[rows, draft], q[rows, draft], u)
-    a = int(ok.cumprod(0).sum())
-    return a, int(sampling.sample(p[a], generator))
-
-
-@pytest.mark.parametrize("draft_name, rule", [("draft_lm", wrong_verify_chain), ("eagle", wrong_verify_chain),
-                                              ("eagle3", wrong_verify_chain), ("eagle3", wrong_residual_verify_chain)],
-                         ids=["draft_lm-bonus", "eagle-bonus", "eagle3-bonus", "eagle3-residual"])
-def test_sampling_distribution_test_catches_a_wrong_rule(monkeypatch, draft_name, rule):
-    """The same joint test rejects the engine when verify_chain is replaced by a wrong rule: for each draft kind a
-    rule wrong only at depth 2 (the bonus), and for EAGLE-3 (q on a reduced vocabulary) a wrong residual."""
-    import specdistill.eval.engine as engine_mod
-
-    monkeypatch.setattr(engine_mod, "verify_chain", rule)
-    pvalue, _ = joint_pvalue(draft_name, runs=2500)  # the bonus bug only shows after two acceptances: more runs
-    assert pvalue < 1e-3, (draft_name, rule.__name__, pvalue)
 
 
 # ----------------------------------------------------------------------------- the real default target
@@ -320,8 +296,7 @@ def smollm():
 def test_greedy_identical_on_real_target(smollm, smollm_tokenizer):
     from tests.conftest import tiny_model
 
-    questions = ["What is the capital of France? Answer in one sentence.",
-                 "Explain recursion to a five-year-old."]
+    questions = ["Explain recursion to a five-year-old."]  # one: the tiny targets above cover the rest
     prompts = [smollm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False) for q in questions]
     eos = eos_token_ids(smollm, smollm_tokenizer)

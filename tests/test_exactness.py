@@ -22,7 +22,7 @@ from specdistill.eval import engine, sampling
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import StaticRuntime, make_runtime
 from specdistill.eval.tree import TreeDecoder
-from tests.test_engine import JOINT_K, JOINT_TOKENS, JOINT_VOCAB, joint_case, sampled_joint_pvalue
+from tests.test_engine import JOINT_K, JOINT_TOKENS, JOINT_VOCAB, joint_case, sampled_joint_pvalue, wrong_verify_chain
 
 RUNTIME = "static-bf16"  # what eval.runtime `auto` resolves to for the default target
 RUNS = 1000  # a wrong temperature (the subtlest wrong rule here) gives p ~ 5e-4 already at 500
@@ -91,18 +91,23 @@ def temperature_ignored(logits, temperature):
 
 WRONG = {"acceptance": (sampling, "accept_mask", accept_by_p_only),
          "residual": (sampling, "residual", residual_is_p),
-         "temperature": (engine, "probs_from_logits", temperature_ignored)}
+         "temperature": (engine, "probs_from_logits", temperature_ignored),
+         "bonus": (engine, "verify_chain", wrong_verify_chain)}
+RULES = ["acceptance", "residual", "temperature"]
 # The default path (EAGLE-3, static drafter) with every wrong rule at both temperatures (at T = 1 an ignored
-# temperature is the right one); the other kinds with each wrong rule at T = 0.7.
-CASES = [("eagle3", t, wrong) for t in TEMPERATURES for wrong in WRONG if not (wrong == "temperature" and t == 1.0)]
-CASES += [(kind, 0.7, wrong) for kind in KINDS[1:] for wrong in WRONG]
+# temperature is the right one); the other kinds with each wrong rule at T = 0.7; a bonus token drawn from the
+# wrong position (it only shows after two acceptances: more runs) on the default path.
+CASES = [("eagle3", t, wrong) for t in TEMPERATURES for wrong in RULES if not (wrong == "temperature" and t == 1.0)]
+CASES += [(kind, 0.7, wrong) for kind in KINDS[1:] for wrong in RULES]
+CASES += [("eagle3", 1.0, "bonus")]
+RUNS_FOR = {"bonus": 2500}
 
 
 @pytest.mark.parametrize("kind, temperature, wrong", CASES)
 def test_the_same_test_rejects_a_wrong_rule(monkeypatch, kind, temperature, wrong):
     module, name, rule = WRONG[wrong]
     monkeypatch.setattr(module, name, rule)
-    pvalue, _ = joint_test(kind, temperature)
+    pvalue, _ = joint_test(kind, temperature, runs=RUNS_FOR.get(wrong, RUNS))
     assert pvalue < 1e-3, (kind, temperature, wrong, pvalue)
 
 

@@ -1,5 +1,5 @@
 """Tiny Llama, Qwen3 and Gemma-3 targets (built from their configs, real SmolLM2 tokenizer) through every
-stage, export included, for every draft kind; the EAGLE heads export with the same name/shape check as
+stage, export included, for every draft kind (EAGLE-1, EAGLE-3, a draft LM, Medusa); the EAGLE heads export with the same name/shape check as
 Llama's, and a second run warm-starts from the export over the shared cache."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ TOY = ["train.max_steps=2", "train.save_every=2", "train.micro_batch_size=4", "t
        "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.temperature=0", "eval.comparators=false",
        "eval.checkpoints=last", "eval.k=2", "corpus.heldout_fraction=0.2"]
 DRAFT = {"eagle": "{kind: eagle}", "eagle3": "{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}",
-         "draft_lm": "{kind: draft_lm, num_layers: 1}"}
-FORMAT = {"eagle": "vllm-eagle", "eagle3": "vllm-eagle3", "draft_lm": "hf"}
+         "draft_lm": "{kind: draft_lm, num_layers: 1}", "medusa": "{kind: medusa, num_heads: 2, num_layers: 1}"}
+FORMAT = {"eagle": "vllm-eagle", "eagle3": "vllm-eagle3", "draft_lm": "hf", "medusa": "vllm-medusa"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -62,7 +62,7 @@ def expected_llama_head(kind: str, cfg) -> dict[str, tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_lm"])
+@pytest.mark.parametrize("kind", list(DRAFT))
 def test_every_stage_runs_for_the_target(family_target, kind, tmp_path, monkeypatch, capsys):
     from tests.test_export import VLLM_EAGLE3_PARAMS, VLLM_EAGLE_PARAMS, vllm_eagle3_param_name, vllm_param_name
 
@@ -81,6 +81,9 @@ def test_every_stage_runs_for_the_target(family_target, kind, tmp_path, monkeypa
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(out).config.model_type == family
+        return
+    if kind == "medusa":  # vLLM's Medusa tensor table: tests/test_medusa.py
+        assert config["num_heads"] == 2 and (out / "model.safetensors").exists()
         return
     with safe_open(out / "model.safetensors", "pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}

