@@ -9,8 +9,14 @@ import pytest
 import yaml
 
 from benchmarks import scaling_bench
+from specdistill import cli
 from specdistill.recipe import load_recipe
 from tests.test_train import write_cache
+
+
+def stage_in_this_process(stage: str, recipe_path: str, overrides) -> None:
+    """The bench runs each stage in its own process, which would not see this test's patched checkpoints folder."""
+    assert cli.main([stage, "--recipe", recipe_path, *overrides]) == 0, stage
 
 
 def test_scaling_runs_each_size_completely_and_fits(tmp_path, tiny_target_dir, monkeypatch, one_thread):
@@ -28,6 +34,7 @@ def test_scaling_runs_each_size_completely_and_fits(tmp_path, tiny_target_dir, m
         "train": {"max_steps": 8, "save_every": 8, "micro_batch_size": 2, "lr": 0.003, "warmup_steps": 4,
                   "heldout_batches": 2},
         "eval": {"prompts": str(prompts), "num_prompts": 2, "max_new_tokens": 8, "k": 2, "runtime": "static-fp32"}}))
+    monkeypatch.setattr(scaling_bench, "run_stage", stage_in_this_process)
     base = load_recipe(path)
     for steps in (2, 4, 6, 8):  # what the skipped prepare + cache stages would have linked into each run
         write_cache(load_recipe(path, scaling_bench.run_overrides(base, steps)).run_dir, tiny_target_dir, n_train=16)
