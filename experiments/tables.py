@@ -20,6 +20,11 @@ def times(x, ci=None) -> str:
     return f"{x:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}:{secs:02d}"
+
+
 def last_eval(arm: dict) -> dict:
     """The eval JSON of the arm's last decoded checkpoint."""
     return arm["eval"][sorted(arm["eval"])[-1]]
@@ -59,9 +64,8 @@ def arms(results: dict) -> list[list[str]]:
         ev = last_eval(arm)
         t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
         held = ev["offline"]["heldout"]
-        minutes, seconds = divmod(round(arm["stage_seconds"]["train"]), 60)
         lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
-        rows.append([name, f"{minutes}:{seconds:02d}", f"{arm['train_tokens_per_s']:.0f}", f"{held['top1_at'][0]:.3f}",
+        rows.append([name, clock(arm["stage_seconds"]["train"]), f"{arm['train_tokens_per_s']:.0f}", f"{held['top1_at'][0]:.3f}",
                      f"{held['chain_tau']['0']:.3f}", f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
                      f2(t0["tau"]), times(t0["speedup"], t0.get("speedup_ci95")),
                      times(lookup["speedup"]) if lookup else "—"])
@@ -94,5 +98,31 @@ def runtimes(results: dict) -> list[list[str]]:
     return rows
 
 
+def default_run(results: dict) -> list[list[str]]:
+    """One row per decoded checkpoint of a complete run (offline, measured at T=0 and T=1, tree, comparators),
+    then one row of the stages' wall clock."""
+    arm = results["main"]
+    rows = []
+    for ev in arm["eval"].values():
+        by_t = {r["temperature"]: r for r in ev["results"]}
+        t0, t1, tree = by_t[0.0], by_t.get(1.0), by_t[0.0].get("tree")
+        held = ev["offline"]["heldout"]
+        lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
+        rows.append([
+            str(ev["step"]), f"{ev['tokens_seen']:,}", f"{held['top1_at'][0]:.3f}", f"{held['chain_tau']['0']:.3f}",
+            f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
+            f2(t0["tau"]) + ("" if t0["lossless"] else " **not lossless**"),
+            times(t0["speedup"], t0.get("speedup_ci95")),
+            f"{times(t0['speedup_vs_fastest_plain'])} ({t0['fastest_plain']})" if "fastest_plain" in t0 else "",
+            f2(t1["tau"]) if t1 else "", times(t1["speedup"], t1.get("speedup_ci95")) if t1 else "",
+            f"{f2(tree['tau'])} / {times(tree['speedup'])}" if tree else "",
+            times(lookup["speedup"]) if lookup else ""])
+    stages = arm["stage_seconds"]
+    text = " · ".join(f"{name} {clock(s)}" + (f" ({arm['train_tokens_per_s']:.0f} tokens/s)" if name == "train" else "")
+                      for name, s in stages.items())
+    return rows + [[f"stages: {text} · total {clock(sum(stages.values()))}"] + [""] * 11]
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
-                                                      "scaling": scaling, "runtime-bench": runtimes}
+                                                      "scaling": scaling, "runtime-bench": runtimes,
+                                                      "default-muon-2proc": default_run}
