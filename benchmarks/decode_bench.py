@@ -35,6 +35,11 @@ def _draft_for(recipe, target):
 TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "run_name=bench-toy"]
 
 
+def run(recipe_path: str) -> dict:
+    """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
+    return main(recipe_path)
+
+
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = (), toy: bool = False) -> dict:
     recipe = load_recipe(recipe_path, ["eval.temperature=[0, 1]", *(TOY if toy else []), *overrides])
     target = load_target(recipe.target, device=devices.resolve(recipe.device))

@@ -101,6 +101,11 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device
             "first_forwards_s": first_forwards_s, "hf_generate_tokens_per_s": hf_tps}
 
 
+def run(recipe_path: str) -> dict:
+    """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
+    return main(recipe_path)
+
+
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = False) -> dict:
     """toy: a 16-token prefix, 1 repeat, 4 decoded tokens, no torch.compile (minutes of compiling on a CPU):
     proves the benchmark runs, measures nothing, writes no result."""

@@ -92,6 +92,11 @@ def table(result: dict) -> str:
     return f"{result['command']}\n\n{markdown_table(header, rows)}\n\n{fits}"
 
 
+def run(recipe_path: str) -> dict:
+    """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
+    return scaling(recipe_path, FRACTIONS, [])
+
+
 def main(argv: list[str] | None = None) -> None:
     """argv: this benchmark's own arguments (`make bench ARGS="scaling --fractions ..."` passes what follows)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -87,8 +87,7 @@ def run_bench(exp) -> tuple[dict, list[list] | None]:
     for arm in exp.arms:
         path = pinned_file(pinned_recipe(exp, arm))
         run_stages(path, BENCH_NEEDS[exp.bench])
-        bench = importlib.import_module(BENCHES[exp.bench])
-        out = bench.scaling(path, bench.FRACTIONS, []) if exp.bench == "scaling" else bench.main(path)
+        out = importlib.import_module(BENCHES[exp.bench]).run(path)
         results[arm] = json.loads(json.dumps(out, default=str))
     return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
 
