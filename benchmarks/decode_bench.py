@@ -32,7 +32,10 @@ def _draft_for(recipe, target):
     return draft.to(target.device).eval().requires_grad_(False), "untrained", None
 
 
-TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "run_name=bench-toy"]
+# toy: the chain at T=0 and T=1 on one prompt; the tuning prompts, the tree and the comparators run the same
+# evaluate_checkpoint code tests/test_evaluate.py covers on tiny targets
+TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "eval.tuning_prompts=0", "eval.tree=null",
+       "eval.comparators=false", "run_name=bench-toy"]
 
 
 def run(recipe_path: str) -> dict:
