@@ -284,8 +284,10 @@ def peer(recipe_path: str, overrides: list[str], peer_args: list[str]) -> dict:
     base = load_recipe(recipe_path, overrides)
     if base.draft.kind != "eagle3":
         raise SpecdistillError(f"{recipe_path}: draft.kind is {base.draft.kind}; the peer bench compares EAGLE-3 trainers")
-    if base.train.num_gpus != 1 or base.train.num_nodes != 1:
-        raise SpecdistillError(f"{recipe_path}: the peer bench runs one process (train.num_gpus 1, num_nodes 1)")
+    if base.train.num_nodes != 1:
+        raise SpecdistillError(f"{recipe_path}: the peer bench runs on one node (train.num_nodes 1)")
+    # both trainers in one process, with the recipe's sequences per step (its trainer is single-process here)
+    overrides = [*overrides, "train.num_gpus=1", f"train.micro_batch_size={base.train.micro_batch_size * base.train.num_gpus}"]
     ours_run = [*overrides, f"run_name={base.run_name}-peer-ours"]
     theirs_run = [*overrides, f"run_name={base.run_name}-peer-speculators"]
     ours, theirs = load_recipe(recipe_path, ours_run), load_recipe(recipe_path, theirs_run)
@@ -351,7 +353,8 @@ def notes(recipe, drift: float, overlap: int, peer_args: list[str]) -> list[str]
         f"loss: ours {dict(loss.terms)} with TTT step weights {loss.ttt_decay}^s, feature noise "
         f"{loss.feature_noise}, steps counted where the token is in the draft vocabulary; its kl_div (forward KL to "
         "the target renormalised over the draft vocabulary) with step weights 1.0, no noise" + changed,
-        f"optimizer: ours AdamW (betas {tc.betas}, weight decay {tc.weight_decay}, grad clip {tc.grad_clip}); its "
+        f"optimizer: ours {'Muon on the matrices (muon_lr ' + str(tc.muon_lr) + ') + AdamW' if tc.optimizer == 'muon' else 'AdamW'} "
+        f"(betas {tc.betas}, weight decay {tc.weight_decay}, grad clip {tc.grad_clip}); its "
         "default Muon on the 2-D weights + AdamW (weight decay 0.01), grad clip 1.0; schedules: warmup then "
         f"cosine, ours down to {tc.min_lr_ratio}×lr, its to 0",
         "readout: ours the target's LM-head rows and final norm, trained; its the target's LM-head rows frozen "

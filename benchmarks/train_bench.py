@@ -78,10 +78,11 @@ def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None, 
         first = recipe("cache", "train.precision=fp32")
         prepare.run(first)
         cache.run(first)
+        one_process = ["train.num_gpus=1", "train.micro_batch_size=8"]  # the recipe's 8 sequences a step, in one process
         runs = {  # name: (recipe overrides, torch threads of an in-process run)
-            "fp32-all-cores": (["train.precision=fp32"], cores),
-            "bf16-all-cores": (["train.precision=bf16"], cores),
-            "bf16-1proc-1thread": (["train.precision=bf16", "train.gradient_accumulation_steps=2",
+            "fp32-all-cores": (["train.precision=fp32", *one_process], cores),
+            "bf16-all-cores": (["train.precision=bf16", *one_process], cores),
+            "bf16-1proc-1thread": (["train.precision=bf16", "train.num_gpus=1", "train.gradient_accumulation_steps=2",
                                     "train.micro_batch_size=4"], 1),
             f"bf16-{cores}proc-1thread": (["train.precision=bf16", f"train.num_gpus={cores}",
                                            f"train.micro_batch_size={8 // cores}"], cores),
