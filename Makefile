@@ -31,15 +31,11 @@ distill: setup
 prepare cache train eval report export: setup
 	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
 
-# One pytest worker per core of the 2-core machines CI runs on: most tests drive tiny models and are bound by
-# Python, not by the cores, so two workers finish the suite in far less than one (pytest-xdist).
-TEST_WORKERS ?= 2
-
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 # The fault suite (tests/test_faults.py) with its kill-and-resume chains: real training processes killed and resumed.
 faults: setup
