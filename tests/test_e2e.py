@@ -17,7 +17,8 @@ DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=6", "train.save_every=3",
        "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=16",
        "eval.temperature=[0, 1]", "eval.tuning_prompts=1", "eval.comparators=false", "eval.checkpoints=last",
-       "run_name=e2e"]  # one checkpoint decoded: choosing several is tests/test_evaluate.py's
+       "train.num_gpus=1", "run_name=e2e"]  # one checkpoint decoded: choosing several is tests/test_evaluate.py's;
+# one training process: the default's 2 ranks are tests/test_train.py's (test_two_processes_match_one)
 
 
 STAGES = ["prepare", "cache", "train", "eval", "report", "export"]
