@@ -105,7 +105,8 @@ def default_run(results: dict) -> list[list[str]]:
     rows = []
     for ev in arm["eval"].values():
         by_t = {r["temperature"]: r for r in ev["results"]}
-        t0, t1, tree = by_t[0.0], by_t.get(1.0), by_t[0.0].get("tree")
+        t0, t1 = by_t[0.0], by_t.get(1.0)
+        tree = t0.get("tree")
         held = ev["offline"]["heldout"]
         lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
         rows.append([
