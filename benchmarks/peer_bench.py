@@ -74,7 +74,8 @@ TOY = ["corpus.max_rows=24", "corpus.max_length=128", "train.max_steps=2", "trai
        "train.micro_batch_size=2", "train.warmup_steps=1", "train.heldout_batches=1",
        "train.heldout_chain_positions=16", "eval.num_prompts=1", "eval.max_new_tokens=8", "eval.tuning_prompts=0"]
 EVAL_ONLY_STEP = ["train.max_steps=1", "train.save_every=1", "train.lr=1e-30", "train.weight_decay=0",
-                  "train.warmup_steps=0", "train.precision=fp32"]  # one step that moves no weight (checked)
+                  "train.warmup_steps=0", "train.precision=fp32",  # one step that moves no weight (checked):
+                  "train.optimizer=adamw"]  # AdamW, whose lr is that 1e-30 (Muon steps the matrices at muon_lr)
 
 
 # ---- the peer's folder ---------------------------------------------------------------------------------
