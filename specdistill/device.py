@@ -96,6 +96,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The vector instruction set torch's CPU kernels use here ("AVX512", "AVX2", ...), plus the native bf16
+    instructions the CPU has: results and speed depend on it (on AVX2, bf16 matmuls are emulated, ~8x slower
+    than fp32; the kernels round differently, so fp32 results differ in the last bits too)."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "+".join([isa, *(f for f in ("avx512_bf16", "amx_bf16") if f in flags)])
+
+
 def _driver_version() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -106,10 +119,10 @@ def _driver_version() -> str | None:
 
 
 def hardware(device=None) -> dict:
-    """What ran: CPU model and threads always; on CUDA also the GPU's name, count, memory, CUDA and driver
+    """What ran: CPU model, instruction set and threads always; on CUDA also the GPU's name, count, memory, CUDA and driver
     versions. Written into every eval JSON, bench output and report."""
     device = torch.device(device or "cpu")
-    out = {"device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+    out = {"device": str(device), "cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
            "torch": torch.__version__}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

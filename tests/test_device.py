@@ -43,6 +43,7 @@ def test_generator_is_on_the_device_and_seeded():
 def test_hardware_describes_the_cpu():
     hw = device.hardware("cpu")
     assert hw["device"] == "cpu" and hw["cpu"] and hw["threads"] >= 1 and "gpu" not in hw
+    assert hw["cpu_isa"].split("+")[0] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_clock_is_monotonic():

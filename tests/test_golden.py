@@ -8,7 +8,10 @@ in `draft_lm-bf16` greedy decodes accept drafts and T=1 decodes reject some (a c
 residual), which the test checks before it compares a number.
 
 Every setting the numbers depend on is written out here (not left to the recipe's defaults), so a change of a
-default moves no golden number. To regenerate after an intended change of behaviour:
+default moves no golden number. The numbers depend on the CPU's instruction set too (torch's kernels for AVX2
+and for AVX-512 with bf16 round differently, in fp32 as well as in bf16), so golden.json holds one set per
+`specdistill.device.cpu_isa()`: "AVX512+avx512_bf16" written on this project's machines (AMD EPYC, AVX-512
+with BF16), "AVX2" on an AVX2-only EPYC; on an instruction set with no set the test fails and says so. To regenerate after an intended change of behaviour:
 `SPECDISTILL_WRITE_GOLDEN=1 pytest tests/test_golden.py`: each case then writes its numbers and fails, naming
 what it wrote (a run that writes goldens never passes); commit the file and say why in the commit.
 """
@@ -24,6 +27,7 @@ import torch
 
 from specdistill import layout
 from specdistill.cli import main
+from specdistill.device import cpu_isa
 from specdistill.recipe import load_recipe
 
 GOLDEN = Path(__file__).parent / "golden" / "golden.json"
@@ -194,13 +198,15 @@ def test_golden_numbers(case, tmp_path, tiny_target_dir, wide_target_dir, monkey
     got = json.loads(json.dumps(got))  # the same types a JSON round trip gives the golden file
     if case in EXERCISES_THE_RULE:
         check_decodes_exercise_the_rule(case, got["decodes"])
+    isa = cpu_isa()
+    sets = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     if WRITE:
-        golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-        golden[case] = got
+        sets.setdefault(isa, {})[case] = got
         GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-        pytest.fail(f"SPECDISTILL_WRITE_GOLDEN=1: wrote {GOLDEN}[{case!r}] ({len(json.dumps(got))} characters of "
-                    "numbers); not a pass: rerun without the variable to compare, and commit the file with the reason")
-    golden = json.loads(GOLDEN.read_text())
-    assert case in golden, f"{GOLDEN} has no case {case!r}: write it with SPECDISTILL_WRITE_GOLDEN=1"
-    assert_close(got, golden[case], case)
+        GOLDEN.write_text(json.dumps(sets, indent=1, sort_keys=True) + "\n")
+        pytest.fail(f"SPECDISTILL_WRITE_GOLDEN=1: wrote {GOLDEN}[{isa!r}][{case!r}] ({len(json.dumps(got))} characters "
+                    "of numbers); not a pass: rerun without the variable to compare, and commit the file with the reason")
+    assert isa in sets, (f"{GOLDEN} has no golden numbers for this CPU's instruction set {isa!r} (it has "
+                         f"{', '.join(sets)}): write them here with SPECDISTILL_WRITE_GOLDEN=1")
+    assert case in sets[isa], f"{GOLDEN}[{isa!r}] has no case {case!r}: write it with SPECDISTILL_WRITE_GOLDEN=1"
+    assert_close(got, sets[isa][case], case)
