@@ -554,6 +554,8 @@ def fits_one_device(target_cfg, device: torch.device) -> bool:
 def load_model(recipe, device: torch.device):
     """The target on `device`; one larger than the GPU's free memory spread over every GPU (accelerate's
     device_map="auto"), so a target no single GPU holds can still be cached."""
+    devices.warn_if_bf16_emulated(DTYPES[recipe.target.dtype], device, "the cache pass runs the target",
+                                  "target.dtype=float32")
     if fits_one_device(recipe.target, device):
         return load_target(recipe.target, device)
     from transformers import AutoModelForCausalLM

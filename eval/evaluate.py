@@ -27,7 +27,7 @@ from specdistill.eval.summary import best_k, measure_costs, speedup_over, summar
 from specdistill.eval.tables import summary_line
 from specdistill.eval.tree import TreeDecoder
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
-from specdistill.target import load_target, load_target_config, load_tokenizer
+from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer
 
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
@@ -299,6 +299,8 @@ def run(recipe, args) -> list[Path]:
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
+    devices.warn_if_bf16_emulated(DTYPES[parse_runtime(name)[1]], devices.resolve(recipe.device),
+                                  f"the eval decodes with {name}", f"eval.runtime={name.split('-')[0]}-fp32")
     target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}),
                          device=devices.resolve(recipe.device))
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype

@@ -79,3 +79,19 @@ def test_peak_memory_resets_between_stages():
     del big
     device.reset_peak_memory("cpu")
     assert device.peak_memory("cpu")["host_peak_rss_gib"] < grown - 0.4
+
+
+def test_bf16_emulated_on_the_cpu_is_named_once(monkeypatch, capsys):
+    """An AVX2-only CPU runs bf16 many times slower than fp32: each stage's bf16 setting is named once, with
+    the fp32 setting that avoids it; a CPU with AVX-512 BF16, or fp32, says nothing."""
+    monkeypatch.setattr(device.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(device, "_WARNED_BF16", set())
+    monkeypatch.setattr(device, "cpu_isa", lambda: "AVX2")
+    for _ in range(2):
+        device.warn_if_bf16_emulated(torch.bfloat16, "cpu", "training computes", "train.precision=fp32")
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1 and "(AVX2)" in out and "`train.precision=fp32`" in out
+    device.warn_if_bf16_emulated(torch.float32, "cpu", "the cache pass runs the target", "target.dtype=float32")
+    monkeypatch.setattr(device, "cpu_isa", lambda: "AVX512+avx512_bf16")
+    device.warn_if_bf16_emulated(torch.bfloat16, "cpu", "the cache pass runs the target", "target.dtype=float32")
+    assert capsys.readouterr().out == ""

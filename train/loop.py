@@ -182,6 +182,7 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
     if len(data) == 0:
         raise SpecdistillError(f"{cache}: the train split has no sequences")
     torch.manual_seed(tc.seed)  # same draft initialisation on every rank and every run
+    devices.warn_if_bf16_emulated(DTYPES[tc.precision], device, "training computes", "train.precision=fp32")
     with torch.device(device):  # modules are made where they train (no host copy of a large draft LM first)
         parts = load_target_parts(recipe.target, device, DTYPES[tc.precision])
         head = draft_kind.build(recipe, parts, data)
