@@ -32,7 +32,8 @@ def _median_tokens_per_s(run_dir: Path) -> float:
 
 
 def main(toy: bool = False) -> None:
-    """toy: 2 steps per run and a 32-row default-head cache; proves the benchmark runs, measures nothing."""
+    """toy: 2 steps per run and a 16-row default-head cache of 128-token rows; proves the benchmark runs,
+    measures nothing."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         os.environ["SPECDISTILL_CHECKPOINTS"] = str(tmp / "checkpoints")
@@ -60,7 +61,8 @@ def main(toy: bool = False) -> None:
         print(f"  {kind:9s} {v:8.0f} tokens/s (1 process)")
     print(f"  eagle 2 processes / 1 process (same global batch): {t2:.0f} / {t1:.0f} = {t2 / t1:.2f}x")
     if toy:  # one run of the default head: the others differ from it only in their overrides
-        default_head(rows=32, steps=2, only=["bf16-all-cores"], extra=["train.log_every=1", "train.warmup_steps=1"])
+        default_head(rows=16, steps=2, only=["bf16-all-cores"],
+                     extra=["corpus.max_length=128", "train.log_every=1", "train.warmup_steps=1"])
     else:
         default_head()
 

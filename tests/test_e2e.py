@@ -14,8 +14,8 @@ from tests.test_evaluate import check_consistent
 pytestmark = pytest.mark.slow
 
 DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
-TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=6", "train.save_every=3",
-       "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=16",
+TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=4", "train.save_every=2",
+       "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=12",
        "eval.temperature=[0, 1]", "eval.tuning_prompts=1", "eval.comparators=false", "eval.checkpoints=last",
        "train.num_gpus=1", "run_name=e2e"]  # one checkpoint decoded: choosing several is tests/test_evaluate.py's;
 # one training process: the default's 2 ranks are tests/test_train.py's (test_two_processes_match_one)
@@ -38,8 +38,8 @@ def test_make_distill_pipeline_on_default_target(tmp_path):
     manifest = read_manifest(run / "cache")
     assert manifest["hidden_size"] == 576
     steps = sorted(p.name for p in run.glob("step-*"))
-    assert steps == ["step-0000003", "step-0000006"]
-    result = json.loads((run / "eval" / "step-0000006.json").read_text())
+    assert steps == ["step-0000002", "step-0000004"]
+    result = json.loads((run / "eval" / "step-0000004.json").read_text())
     by_t = {r["temperature"]: r for r in result["results"]}
     assert by_t[0.0]["lossless"] is True and result["exactness_check"]["exact"] is True
     for r in by_t.values():  # tau = tokens / steps <= K + 1 (3 at the default K = 2), speedup = the throughput ratio
