@@ -198,4 +198,4 @@ def scaling_summary(fits: list[dict]) -> str:
         need = tokens_for_tau(f, TAU_GOAL)
         parts.append(f"{f['run']}: " + (f"not reached by the fit (τ∞ = {f['tau_inf']:.3f})" if need is None else
                                         f"≈{tokens_text(need)} tokens") + f", extrapolation from {f['points']} points")
-    return f"measured τ = {TAU_GOAL} (chain, T=0) vs training tokens: " + "; ".join(parts)
+    return f"training tokens the fit puts at measured τ {TAU_GOAL} (chain, T=0): " + "; ".join(parts)
