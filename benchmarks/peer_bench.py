@@ -383,15 +383,28 @@ def vocabulary_overlap(released: Path, step_dir: Path) -> int:
     return len(ids[0] & ids[1])
 
 
-def table(result: dict) -> str:
-    k = result["arms"]["ours"].get("chain_k") or "K"
-    header = ["trainer", "held-out top-1", f"held-out sim. τ (chain, T=0, K={k})", "sim. τ (continuations)",
-              "measured τ (T=0)", "speedup (T=0)", "train wall s", "train tokens/s (steps)"]
-    rows = [[name, num(a["heldout_top1"]), num(a["heldout_sim_tau"]), num(a["continuations_sim_tau"]),
-             num(a["measured_tau"]), num(a["speedup"]), f"{a['train_wall_s']:.0f}",
+HEADER = ["trainer", "held-out top-1", "held-out sim. τ (chain, T=0)", "sim. τ (continuations)", "measured τ (T=0)",
+          "speedup T=0 (95% CI)", "train wall s", "train tokens/s (steps)"]
+
+
+def rows(result: dict) -> list[list[str]]:
+    """One row per trainer (HEADER's columns): the table the README renders from the experiment's record."""
+    def speedup(a):
+        ci = a.get("speedup_ci95")
+        return f"{a['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+    return [[name, num(a["heldout_top1"]), num(a["heldout_sim_tau"]), num(a["continuations_sim_tau"]),
+             num(a["measured_tau"]), speedup(a), f"{a['train_wall_s']:.0f}",
              f"{a['tokens_per_s']:.0f}" if a["tokens_per_s"] else "—"] for name, a in result["arms"].items()]
+
+
+def table(result: dict) -> str:
     notes = "\n".join(f"- {n}" for n in result["notes"])
-    return f"{result['command']}\n\n{markdown_table(header, rows)}\n\nNotes:\n{notes}"
+    return f"{result['command']}\n\n{markdown_table(HEADER, rows(result))}\n\nNotes:\n{notes}"
+
+
+def run(recipe_path: str) -> dict:
+    """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
+    return peer(recipe_path, [], [])
 
 
 def main(argv: list[str] | None = None) -> None:

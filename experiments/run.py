@@ -30,8 +30,8 @@ from specdistill.formats import read_jsonl
 from specdistill.recipe import recipe_dump
 
 PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "report", "export")  # what `make distill` runs
-# the decode bench reads the last checkpoint; the scaling bench runs its own stages (one run per data size)
-BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": ()}
+# the decode bench reads the last checkpoint; the scaling and peer benches run their own stages
+BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": (), "peer": ()}
 
 
 def run_exactness(exp) -> tuple[dict, list[list]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from benchmarks import peer_bench
 from specdistill.eval.scaling import fit_text
 
 
@@ -124,6 +125,11 @@ def default_run(results: dict) -> list[list[str]]:
     return rows + [[f"stages: {text} · total {clock(sum(stages.values()))}"] + [""] * 11]
 
 
+def peer(results: dict) -> list[list[str]]:
+    """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
+    return peer_bench.rows(results["main"])
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
-                                                      "default-muon-2proc": default_run}
+                                                      "default-muon-2proc": default_run, "peer": peer}
