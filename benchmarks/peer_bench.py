@@ -349,8 +349,9 @@ def notes(recipe, drift: float, overlap: int, peer_args: list[str]) -> list[str]
     return [
         "same: the sequences of each step and their order (its batch sampler replaced by ours), steps, lr, "
         f"warmup steps, TTT steps ({draft.ttt_steps}), aux layers, draft-vocabulary size ({overlap} of "
-        f"{draft.draft_vocab_size} draft tokens shared: each counts the trained tokens itself), bf16 autocast "
-        "over fp32 weights, one process, the same threads",
+        f"{draft.draft_vocab_size} draft tokens shared: each counts the trained tokens itself), "
+        + ("bf16 autocast over fp32 weights" if tc.precision == "bf16" else "fp32 throughout")
+        + ", one process, the same threads",
         f"loss: ours {dict(loss.terms)} with TTT step weights {loss.ttt_decay}^s, feature noise "
         f"{loss.feature_noise}, steps counted where the token is in the draft vocabulary; its kl_div (forward KL to "
         "the target renormalised over the draft vocabulary) with step weights 1.0, no noise" + changed,
