@@ -52,7 +52,7 @@ from specdistill.cli import main as cli
 from specdistill.data.cache_reader import CacheDataset
 from specdistill.errors import SpecdistillError
 from specdistill.eval.results import result_at
-from specdistill.eval.tables import num
+from specdistill.eval.tables import ci, num
 from specdistill.eval.tables import table as markdown_table
 from specdistill.formats import read_checkpoint, read_json, read_jsonl, read_metrics, write_json_atomic
 from specdistill.kinds.common.released import read_released
@@ -390,11 +390,8 @@ HEADER = ["trainer", "held-out top-1", "held-out sim. τ (chain, T=0)", "sim. τ
 
 def rows(result: dict) -> list[list[str]]:
     """One row per trainer (HEADER's columns): the table the README renders from the experiment's record."""
-    def speedup(a):
-        ci = a.get("speedup_ci95")
-        return f"{a['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
     return [[name, num(a["heldout_top1"]), num(a["heldout_sim_tau"]), num(a["continuations_sim_tau"]),
-             num(a["measured_tau"]), speedup(a), f"{a['train_wall_s']:.0f}",
+             num(a["measured_tau"]), f"{num(a['speedup'], 2)}×{ci(a, 'speedup', 2)}", f"{a['train_wall_s']:.0f}",
              f"{a['tokens_per_s']:.0f}" if a["tokens_per_s"] else "—"] for name, a in result["arms"].items()]
 
 

@@ -299,10 +299,10 @@ def run(recipe, args) -> list[Path]:
     # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
     # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
-    devices.warn_if_bf16_emulated(DTYPES[parse_runtime(name)[1]], devices.resolve(recipe.device),
-                                  f"the eval decodes with {name}", f"eval.runtime={name.split('-')[0]}-fp32")
-    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}),
-                         device=devices.resolve(recipe.device))
+    family, dtype = parse_runtime(name)
+    device = devices.resolve(recipe.device)
+    devices.warn_if_bf16_emulated(DTYPES[dtype], device, f"the eval decodes with {name}", f"eval.runtime={family}-fp32")
+    target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)

@@ -12,6 +12,7 @@ a tensor factory (torch.zeros, torch.arange, torch.tensor, ...) called from proj
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -86,27 +87,26 @@ def generator(device, seed: int) -> torch.Generator:
     return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
 
 
-def cpu_name() -> str:
+@functools.cache
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo (None where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_isa() -> str:
     """The vector instruction set torch's CPU kernels use here ("AVX512", "AVX2", ...), plus the native bf16
     instructions the CPU has: results and speed depend on it (on AVX2, bf16 matmuls are emulated, ~8x slower
     than fp32; the kernels round differently, so fp32 results differ in the last bits too)."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "+".join([isa, *(f for f in ("avx512_bf16", "amx_bf16") if f in flags)])
+    flags = (_cpuinfo("flags") or "").split()
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *(f for f in ("avx512_bf16", "amx_bf16") if f in flags)])
 
 
 def native_bf16(device) -> bool:
