@@ -11,7 +11,8 @@ Every setting the numbers depend on is written out here (not left to the recipe'
 default moves no golden number. The numbers depend on the CPU's instruction set too (torch's kernels for AVX2
 and for AVX-512 with bf16 round differently, in fp32 as well as in bf16), so golden.json holds one set per
 `specdistill.device.cpu_isa()`: "AVX512+avx512_bf16" written on this project's machines (AMD EPYC, AVX-512
-with BF16), "AVX2" on an AVX2-only EPYC; a machine without its own set compares with the set of the same torch
+with BF16), "AVX2" on an AVX2-only EPYC, "AVX512+avx512_bf16+amx_bf16" on an Intel Xeon with AMX (its oneDNN
+kernels round differently from the EPYC's, fp32 included: 3 of 6 cases differed there); a machine without its own set compares with the set of the same torch
 kernel level (the part before "+"), and with neither the test fails and says so. To regenerate after an intended change of behaviour:
 `SPECDISTILL_WRITE_GOLDEN=1 pytest tests/test_golden.py`: each case then writes its numbers and fails, naming
 what it wrote (a run that writes goldens never passes); commit the file and say why in the commit.
