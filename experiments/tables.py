@@ -125,6 +125,18 @@ def default_run(results: dict) -> list[list[str]]:
     return rows + [[f"stages: {text} · total {clock(sum(stages.values()))}"] + [""] * 11]
 
 
+def default_run_chosen_k(results: dict) -> list[list[str]]:
+    """`default_run` with one more column: at T=0, the K the tuning prompts chose (eval.k_sweep, highest measured
+    speedup there) and the reported prompts' measured τ and speedup at that K."""
+    rows = default_run(results)
+    for row, ev in zip(rows, results["main"]["eval"].values()):
+        t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
+        k = str(t0["best_k"])
+        row.insert(8, f"K={k}: {f2(t0['tau_by_k'][k])} / {times(t0['speedup_by_k'][k], t0['ci95_by_k'][k]['speedup_ci95'])}")
+    rows[-1].append("")
+    return rows
+
+
 def peer(results: dict) -> list[list[str]]:
     """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
     return peer_bench.rows(results["main"])
@@ -132,4 +144,5 @@ def peer(results: dict) -> list[list[str]]:
 
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
-                                                      "default-muon-2proc": default_run, "peer": peer}
+                                                      "default-muon-2proc": default_run, "peer": peer,
+                                                      "default-run": default_run_chosen_k}
