@@ -54,6 +54,13 @@ class Decoders:
     tree: TreeDecoder | None
     eos: set[int]
     pad_id: int
+    # plain decoding in the static runtime of the other precision (T=0, with the comparators): on an AMX Xeon a
+    # 1-token static-fp32 forward took 28 ms against static-bf16's 32, so the fastest plain decoding may be it
+    other_plain: SpeculativeDecoder | None = None
+
+
+def other_plain_name(decoder: SpeculativeDecoder) -> str:
+    return f"plain_{decoder.target.runtime.name}"
 
 
 def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
@@ -64,13 +71,16 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     baseline, chain, tree = decoders.baseline, decoders.chain, decoders.tree
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
+    other_plain = decoders.other_plain if comparator_names and temperature == 0 else None
+    if other_plain is not None:
+        comparator_names = [*comparator_names, other_plain_name(other_plain)]
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
     dev = decoders.target.device
 
     def generator(seed):  # the same seed for every decoder of a prompt, on the device it samples on
         return devices.generator(dev, seed)
     if prompts:
-        warm_up([baseline, chain, tree if temperature == 0 else None], prompts[0].ids, temperature, dev)
+        warm_up([baseline, chain, tree if temperature == 0 else None, other_plain], prompts[0].ids, temperature, dev)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
@@ -83,6 +93,12 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
             tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         for name in comparator_names:
+            if other_plain is not None and name == other_plain_name(other_plain):
+                run = other_plain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed))
+                comp[name]["tokens"] += len(run.tokens)
+                comp[name]["seconds"] += run.total_s
+                comp[name]["outputs"].append(run.tokens)
+                continue
             tokens, seconds = comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
                                                          decoders.eos, decoders.pad_id, draft=decoders.draft, k=eval_cfg.k)
             comp[name]["tokens"] += len(tokens)
@@ -187,6 +203,10 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                         SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
+    family, dtype = parse_runtime(runtime.name)
+    if wanted and family == "static" and dtype != "float32" and 0 in recipe.temperatures:
+        reference_model = reference_model or fp32_reference_model(target)
+        decoders.other_plain = SpeculativeDecoder(make_runtime(reference_model, "static-fp32"), None, eos_ids=eos)
 
     ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
     exact = exactness.verify_rows_match(runtime, prompts[0].ids, ks) if prompts else None
@@ -236,14 +256,18 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
                 comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
         plain = {"ours": result["baseline_tokens_per_s"]}
-        if "hf_generate" in comp_report and temperature == 0:  # generate() is timed at T=0 only
-            plain["hf_generate"] = comp_report["hf_generate"]["tokens_per_s"]
+        if temperature == 0:  # the plain comparators are timed at T=0 only
+            plain.update({name: c["tokens_per_s"] for name, c in comp_report.items()
+                          if name == "hf_generate" or name.startswith("plain_")})
         fastest = max(plain, key=plain.get)
         result["fastest_plain"] = fastest
         result["speedup_vs_fastest_plain"] = result["tokens_per_s"] / plain[fastest] if plain[fastest] else 0.0
     comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
                  f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
                  f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
+    if decoders.other_plain is not None:
+        comp_note += (f"; {other_plain_name(decoders.other_plain)}: our own plain decoding in float32, from the float32 "
+                      "weights on disk (a float32 forward of one token can be the faster one)")
     if not cfg.comparators:
         comp_note = "skipped (eval.comparators: false)"
     elif not with_comparators:

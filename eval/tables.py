@@ -88,12 +88,13 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
 
 def comparator_table(evals: list[dict], many_runs: bool) -> str:
     temps = temperatures(evals)
-    header = ["checkpoint"] + [f"ours T={num(t, 1)}" for t in temps] + [f"{c} (speedup, tok/s)" for c in COMPARATORS]
+    names = [*COMPARATORS, *sorted({c for e in evals for c in (e.get("comparators") or {}) if c not in COMPARATORS})]
+    header = ["checkpoint"] + [f"ours T={num(t, 1)}" for t in temps] + [f"{c} (speedup, tok/s)" for c in names]
     rows = []
     for e in evals:
         comps = e.get("comparators") or {}
         row = [label(e, many_runs)] + [num(result_at(e, t).get("speedup"), 2) for t in temps]
-        for c in COMPARATORS:
+        for c in names:
             entry = comps.get(c) or {}
             row.append(DASH if not entry else f"{num(entry.get('speedup'), 2)} ({num(entry.get('tokens_per_s'), 1)})")
         rows.append(row)

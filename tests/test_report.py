@@ -321,7 +321,7 @@ def test_export_readme_refuses_results_of_another_checkpoint_version(tmp_path):
 
 # ------------------------------------------------------------------- how much data buys how much τ
 
-CURVE = (2.5, 20.0, 0.3)  # τ(N) = 2.5 − 20·N^(−0.3): τ = 2.2 at N = (20 / 0.3)^(1 / 0.3) ≈ 1.2M tokens
+CURVE = (1.9, 20.0, 0.3)  # τ(N) = 1.9 − 20·N^(−0.3): the goal τ 1.6 at N = (20 / 0.3)^(1 / 0.3) ≈ 1.2M tokens
 
 
 def curve(n):
@@ -329,13 +329,13 @@ def curve(n):
 
 
 def test_fit_recovers_a_known_saturating_curve_and_refuses_too_few_points():
-    tokens = [2e4, 4e4, 8e4, 1.6e5, 3.2e5]
+    tokens = [4e4, 8e4, 1.6e5, 3.2e5, 6.4e5]  # τ 1.07 ... 1.52
     fit = scaling.fit_saturating(tokens, [curve(n) for n in tokens])
-    assert fit["ok"] and fit["points"] == 5 and not fit["exact"] and fit["n_max"] == 3.2e5
-    assert fit["tau_inf"] == pytest.approx(2.5, rel=1e-4) and fit["b"] == pytest.approx(0.3, rel=1e-3)
+    assert fit["ok"] and fit["points"] == 5 and not fit["exact"] and fit["n_max"] == 6.4e5
+    assert fit["tau_inf"] == pytest.approx(1.9, rel=1e-4) and fit["b"] == pytest.approx(0.3, rel=1e-3)
     assert fit["c"] == pytest.approx(20.0, rel=1e-2) and fit["rmse"] < 1e-6
-    assert scaling.tokens_for_tau(fit, 2.2) == pytest.approx((20 / 0.3) ** (1 / 0.3), rel=1e-2)
-    assert scaling.tokens_for_tau(fit, 2.6) is None  # above τ∞: never reached
+    assert scaling.tokens_for_tau(fit, 1.6) == pytest.approx((20 / 0.3) ** (1 / 0.3), rel=1e-2)
+    assert scaling.tokens_for_tau(fit, 2.0) is None  # above τ∞: never reached
     # bounds hold even when the data would like τ∞ < 1 (falling τ): c ≥ 0 then makes the curve flat
     falling = scaling.fit_saturating(tokens, [1.5, 1.4, 1.3, 1.2, 1.1])
     assert falling["ok"] and falling["tau_inf"] >= 1.0 and falling["c"] >= 0 and falling["b"] > 0
@@ -379,10 +379,10 @@ def sim_tau(a: float, k: int = 4) -> float:
 
 
 def test_tau_vs_tokens_table_fit_and_checkpoints_without_tokens_seen(recipe, capsys):
-    ns = {100: 2e4, 200: 4e4, 300: 8e4, 400: 1.6e5}
+    ns = {100: 4e4, 200: 8e4, 300: 1.6e5, 400: 3.2e5}  # measured τ 1.07 ... 1.40
     cps = {50: {"top1_at": [0.1], "measured": 1.1}}  # trained before tokens_seen was recorded
     cps |= {s: {"top1_at": [0.1 + s / 1000], "tokens_seen": int(n), "measured": curve(int(n))} for s, n in ns.items()}
-    cps[500] = {"top1_at": [0.55], "tokens_seen": 320_000}  # never evaluated: simulated τ only
+    cps[500] = {"top1_at": [0.55], "tokens_seen": 640_000}  # never evaluated: simulated τ only
     run_dir = write_scaling_run(recipe.run_dir.parent, "runA", cps)
     report.run(recipe, argparse.Namespace(runs=None))
     md = (run_dir / "report.md").read_text()
@@ -392,8 +392,8 @@ def test_tau_vs_tokens_table_fit_and_checkpoints_without_tokens_seen(recipe, cap
     sim, meas = "simulated τ (held-out, T=0, K=4)", "measured τ (chain, T=0, K=4)"
     assert rows[0] == {"run": "runA", "step": "50", "tokens_seen": "— (not recorded)", sim: f"{sim_tau(0.1):.3f}",
                        meas: "1.100"}
-    assert rows[2] == {"run": "runA", "step": "200", "tokens_seen": "40,000", sim: f"{sim_tau(0.3):.3f}",
-                       meas: f"{curve(40000):.3f}"}
+    assert rows[2] == {"run": "runA", "step": "200", "tokens_seen": "80,000", sim: f"{sim_tau(0.3):.3f}",
+                       meas: f"{curve(80000):.3f}"}
     assert rows[5][meas] == "— (not evaluated)" and rows[5][sim] == f"{sim_tau(0.55):.3f}"
     assert "**1 of 6 checkpoint(s) have no `tokens_seen`**" in section and "fits: step-0000050." in section
     fits = {line.split(":")[0]: line for line in section.splitlines() if line.startswith("- ")}
@@ -401,14 +401,15 @@ def test_tau_vs_tokens_table_fit_and_checkpoints_without_tokens_seen(recipe, cap
     assert "fitted to 4 checkpoints" in measured and "extrapolation from 4 points" in measured
     import re
     tau_inf = float(re.search(r"τ\(N\) = ([0-9.]+) −", measured).group(1))
-    need = re.search(r"τ = 2.2 at N ≈ ([0-9.]+)M tokens", measured)
-    assert tau_inf == pytest.approx(2.5, abs=2e-3) and float(need.group(1)) * 1e6 == pytest.approx(1.2e6, rel=0.05)
+    assert scaling.TAU_GOAL == 1.6  # the curve above is built to reach it at 1.2M tokens
+    need = re.search(r"τ = 1.6 at N ≈ ([0-9.]+)M tokens", measured)
+    assert tau_inf == pytest.approx(1.9, abs=2e-3) and float(need.group(1)) * 1e6 == pytest.approx(1.2e6, rel=0.05)
     assert "fitted to 5 checkpoints" in fits["- simulated τ (held-out)"]  # steps 100..500
     assert "](tau_vs_tokens.png)" in section
     assert_pngs(run_dir)
     assert "runA: ≈1.2" in capsys.readouterr().out.splitlines()[-1]
     # the simulated τ sits beside the measured τ in the per-checkpoint table too
-    assert f"| {curve(40000):.3f} [" in md and f"| {sim_tau(0.3):.3f} |" in md
+    assert f"| {curve(80000):.3f} [" in md and f"| {sim_tau(0.3):.3f} |" in md
 
 
 def test_tau_vs_tokens_plot_draws_the_extrapolation_dashed_to_10x(monkeypatch, tmp_path):

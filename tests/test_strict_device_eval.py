@@ -131,4 +131,4 @@ def test_eval_stage_is_device_clean(tmp_path, tiny_target_dir, monkeypatch):
     assert report["hardware"]["device"] == str(device.resolve(recipe.device))
     greedy = report["results"][0]
     assert greedy["lossless"] is True and greedy["tree"]["lossless"] is True
-    assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup"}
+    assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup", "plain_static-fp32"}
