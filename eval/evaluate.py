@@ -54,8 +54,8 @@ class Decoders:
     tree: TreeDecoder | None
     eos: set[int]
     pad_id: int
-    # plain decoding in the static runtime of the other precision (T=0, with the comparators): on an AMX Xeon a
-    # 1-token static-fp32 forward took 28 ms against static-bf16's 32, so the fastest plain decoding may be it
+    # our plain decoding in static-fp32 beside a bf16 runtime's (T=0, with the comparators): a 1-token fp32
+    # forward can be the faster one (docs/DESIGN.md, "comparators")
     other_plain: SpeculativeDecoder | None = None
 
 
