@@ -6,8 +6,8 @@ with its own complete schedule (warmup scaled with S, cosine to the end), so the
 Each run's last checkpoint is evaluated by real chain decoding at T=0 (eval.k, no tree, no comparators).
 Prints, per size: tokens seen, the held-out simulated τ (the chain replayed on held-out corpus text,
 `chain_tau`), the simulated τ on the target's own continuations and the measured τ; then the report's
-fit τ(N) = τ∞ − c·N^(−b) per series and the tokens it needs for the goal τ (eval/scaling.py TAU_GOAL; an extrapolation beyond the
-largest run), and writes <output_dir>/bench/scaling.json and scaling.png.
+fit τ(N) = τ∞ − c·N^(−b) per series and the tokens it needs for the goal τ (eval/scaling.py TAU_GOAL; an
+extrapolation beyond the largest run), and writes <output_dir>/bench/scaling.json and scaling.png.
 
     python -m benchmarks.scaling_bench [--recipe R] [--fractions 0.125 0.25 0.5 1] [overrides ...]
 

@@ -56,11 +56,10 @@ class Decoders:
     pad_id: int
     # our plain decoding in static-fp32 beside a bf16 runtime's (T=0, with the comparators): a 1-token fp32
     # forward can be the faster one (docs/DESIGN.md, "comparators")
-    other_plain: SpeculativeDecoder | None = None
+    fp32_plain: SpeculativeDecoder | None = None
 
 
-def other_plain_name(decoder: SpeculativeDecoder) -> str:
-    return f"plain_{decoder.target.runtime.name}"
+FP32_PLAIN = "plain_static-fp32"  # its comparator name
 
 
 def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
@@ -71,16 +70,15 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     baseline, chain, tree = decoders.baseline, decoders.chain, decoders.tree
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
-    other_plain = decoders.other_plain if comparator_names and temperature == 0 else None
-    if other_plain is not None:
-        comparator_names = [*comparator_names, other_plain_name(other_plain)]
-    comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in comparator_names}
+    fp32_plain = decoders.fp32_plain if comparator_names and temperature == 0 else None
+    comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []}
+            for name in [*comparator_names, *([FP32_PLAIN] if fp32_plain is not None else [])]}
     dev = decoders.target.device
 
     def generator(seed):  # the same seed for every decoder of a prompt, on the device it samples on
         return devices.generator(dev, seed)
     if prompts:
-        warm_up([baseline, chain, tree if temperature == 0 else None, other_plain], prompts[0].ids, temperature, dev)
+        warm_up([baseline, chain, tree if temperature == 0 else None, fp32_plain], prompts[0].ids, temperature, dev)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
@@ -92,15 +90,15 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
             base_runs.append(baseline.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
         if tree is not None and temperature == 0:  # trees are greedy-only (eval/tree.py)
             tree_runs.append(tree.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed)))
+        timed = []  # (name, new tokens, seconds) of each comparator on this prompt
         for name in comparator_names:
-            if other_plain is not None and name == other_plain_name(other_plain):
-                run = other_plain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed))
-                comp[name]["tokens"] += len(run.tokens)
-                comp[name]["seconds"] += run.total_s
-                comp[name]["outputs"].append(run.tokens)
-                continue
-            tokens, seconds = comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
-                                                         decoders.eos, decoders.pad_id, draft=decoders.draft, k=eval_cfg.k)
+            timed.append((name, *comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
+                                                            decoders.eos, decoders.pad_id, draft=decoders.draft,
+                                                            k=eval_cfg.k)))
+        if fp32_plain is not None:
+            run = fp32_plain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed))
+            timed.append((FP32_PLAIN, run.tokens, run.total_s))
+        for name, tokens, seconds in timed:
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
             comp[name]["outputs"].append(tokens)
@@ -203,10 +201,11 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                         SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
-    family, dtype = parse_runtime(runtime.name)
-    if wanted and family == "static" and dtype != "float32" and 0 in recipe.temperatures:
+    if 0 in recipe.temperatures:  # the float32 target: the lossless reference, and plain fp32 decoding's weights
         reference_model = reference_model or fp32_reference_model(target)
-        decoders.other_plain = SpeculativeDecoder(make_runtime(reference_model, "static-fp32"), None, eos_ids=eos)
+    family, dtype = parse_runtime(runtime.name)
+    if wanted and family == "static" and dtype != "float32" and reference_model is not None:
+        decoders.fp32_plain = SpeculativeDecoder(make_runtime(reference_model, "static-fp32"), None, eos_ids=eos)
 
     ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
     exact = exactness.verify_rows_match(runtime, prompts[0].ids, ks) if prompts else None
@@ -235,7 +234,6 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
-            reference_model = reference_model or fp32_reference_model(target)
             reference = reference_tokens
             if reference is None:
                 reference = transformers_greedy(reference_model, prompts, cfg.max_new_tokens, eos, pad_id)
@@ -257,17 +255,16 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                 comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
         plain = {"ours": result["baseline_tokens_per_s"]}
         if temperature == 0:  # the plain comparators are timed at T=0 only
-            plain.update({name: c["tokens_per_s"] for name, c in comp_report.items()
-                          if name == "hf_generate" or name.startswith("plain_")})
+            plain.update({name: c["tokens_per_s"] for name, c in comp_report.items() if name in ("hf_generate", FP32_PLAIN)})
         fastest = max(plain, key=plain.get)
         result["fastest_plain"] = fastest
         result["speedup_vs_fastest_plain"] = result["tokens_per_s"] / plain[fastest] if plain[fastest] else 0.0
     comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
                  f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
                  f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
-    if decoders.other_plain is not None:
-        comp_note += (f"; {other_plain_name(decoders.other_plain)}: our own plain decoding in float32, from the float32 "
-                      "weights on disk (a float32 forward of one token can be the faster one)")
+    if decoders.fp32_plain is not None:
+        comp_note += (f"; {FP32_PLAIN}: our own plain decoding in float32, from the float32 weights on disk (a float32 "
+                      "forward of one token can be the faster one)")
     if not cfg.comparators:
         comp_note = "skipped (eval.comparators: false)"
     elif not with_comparators:
