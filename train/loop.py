@@ -15,6 +15,8 @@ generators, the loss and the collectives (NCCL reduces only tensors on the GPU).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import sys
 import time
@@ -103,6 +105,25 @@ def read_batches(data, sampler, device: torch.device, workers: int) -> Iterator[
 
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ---- host memory ------------------------------------------------------------------------------
+
+RELEASE_EVERY = 10  # steps between returns of freed host memory to the OS (CPU training)
+
+
+def release_freed_host_memory() -> bool:
+    """Hand the C allocator's free pages back to the OS (glibc `malloc_trim`); False where there is none.
+
+    Why: on the CPU every micro batch has its own sequence length, so glibc's heap fragments and a rank's resident
+    memory grew ~30 MB a step, never given back: the 12,000-row default was OOM-killed at step ~825 of 1,008 (rank 0
+    at 11.8 GB). Trimming every RELEASE_EVERY steps keeps it flat (README "Training memory")."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 # ---- collectives: on the tensors' own device (NCCL refuses CPU tensors) ----------------------------
@@ -215,6 +236,8 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
         for step in range(start, stop):
             t0 = time.time()
             record = _train_step(run, ds_engine, batches, step)
+            if device.type == "cpu" and (step + 1) % RELEASE_EVERY == 0:
+                release_freed_host_memory()
             record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
             run.tokens_seen += record["tokens"]
             record["tokens_seen"] = run.tokens_seen  # all ranks, pads excluded: the x axis of the data-scaling curve
