@@ -144,5 +144,5 @@ def peer(results: dict) -> list[list[str]]:
 
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
-                                                      "default-muon-2proc": default_run, "peer": peer,
+                                                      "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k}
