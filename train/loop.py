@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
-import functools
 import os
 import sys
 import time
@@ -113,23 +111,16 @@ def to_device(batch: dict, device) -> dict:
 RELEASE_EVERY = 10  # steps between returns of freed host memory to the OS (CPU training)
 
 
-@functools.cache
-def _libc():
-    """The C library, found once (`find_library` runs a subprocess); None where there is none."""
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
-
-
 def release_freed_host_memory() -> bool:
     """Hand the C allocator's free pages back to the OS (glibc `malloc_trim`); False where there is none.
 
     Why: on the CPU every micro batch has its own sequence length, so glibc's heap fragments and a rank's resident
     memory grew ~30 MB a step, never given back: a 12,000-row run was OOM-killed at step ~825 of 1,008 (rank 0 at
     11.8 GB). Trimming every RELEASE_EVERY steps bounds it (README "Stages in more detail", train)."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
+    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's where linked
+    if malloc_trim is None:
         return False
-    libc.malloc_trim(0)
+    malloc_trim(0)
     return True
 
 
