@@ -84,6 +84,19 @@ def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.
     return state
 
 
+def ascending_aux_layers(aux: list[int], fc: torch.Tensor, ht: int) -> tuple[list[int], torch.Tensor]:
+    """(aux ids strictly ascending, fc with its column blocks to match): vLLM's target collects each aux
+    state once, in layer order (llama.py `_maybe_add_hidden_state`), whatever order the ids are listed in.
+    A head over ids like [2, 2, 1] (a target of 4 layers) would meet 2 states in the other order there: its
+    blocks are put in layer order, and the blocks of a repeated id summed (W1 h + W2 h = (W1 + W2) h)."""
+    blocks = fc.float().split(ht, dim=1)
+    merged: dict[int, torch.Tensor] = {}
+    for layer_id, block in zip(aux, blocks):
+        merged[layer_id] = merged[layer_id] + block if layer_id in merged else block
+    ids = sorted(merged)
+    return ids, torch.cat([merged[i] for i in ids], dim=1).to(fc.dtype)
+
+
 def eagle3_layer_config(cfg: dict, target_config, dtype: torch.dtype) -> dict:
     """The head's Llama config as vLLM reads it: target's rope/eps, one layer, no tied head."""
     base = vllm_layer_config(target_config, dtype)  # same Llama-only rule and rope handling as EAGLE-1
@@ -113,6 +126,8 @@ def export(fmt: str, step_dir: Path, draft_cfg: dict, recipe, target_config, out
         raise SpecdistillError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} outside the target's "
                                f"0..{target_config.num_hidden_layers}")
     state = eagle3_tensors(step_dir, cfg, target_config)
+    if aux:
+        aux, state["fc.weight"] = ascending_aux_layers(aux, state["fc.weight"], ht)
     dtype = state["fc.weight"].dtype
     layer = eagle3_layer_config(cfg, target_config, dtype)
     vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
