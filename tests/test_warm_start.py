@@ -57,23 +57,26 @@ def make_eagle3_head(target, aux, vd=128, seed=0):
     return head.bind_target(target.get_input_embeddings()).eval()
 
 
-@pytest.mark.parametrize("fmt", ["vllm-eagle3", "speculators"])
-def test_eagle3_head_round_trips_through_export(tmp_path, tiny_target_dir, fmt):
+# [2, 1, 1, 0]: the export lists the ids as vLLM collects them ([0, 1, 2], the repeated block folded in);
+# the warm start puts fc back in the cache's order, so the head computes what it did
+@pytest.mark.parametrize("fmt,aux", [("vllm-eagle3", [0, 1, 2]), ("speculators", [0, 1, 2]),
+                                     ("vllm-eagle3", [2, 1, 1, 0])])
+def test_eagle3_head_round_trips_through_export(tmp_path, tiny_target_dir, fmt, aux):
     import json
 
-    recipe = recipe_for(tmp_path, tiny_target_dir, "eagle3", "cache: {aux_layers: [0, 1, 2]}\n")
+    recipe = recipe_for(tmp_path, tiny_target_dir, "eagle3", f"cache: {{aux_layers: {aux}}}\n")
     target = load_target(recipe.target)
-    head = make_eagle3_head(target, [0, 1, 2])
+    head = make_eagle3_head(target, aux)
     step_dir = finish_checkpoint(recipe, 1, "eagle3", json.loads(head.config.to_json_string()), head.own_state_dict())
     out = export.export_checkpoint(recipe, step_dir, fmt)
     recipe.draft.init_from = str(out)
     warm = build(recipe, target).eval()
     assert warm.lm_head.weight.shape[0] == 128 and torch.equal(warm.d2t, head.d2t) and torch.equal(warm.t2d, head.t2d)
-    warm.set_aux_scale(torch.rand(3 * 64) + 0.5)  # what the training loop does: fc keeps its function
+    warm.set_aux_scale(torch.rand(len(aux) * 64) + 0.5)  # what the training loop does: fc keeps its function
     ids = torch.randint(3, V, (1, 9))
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
-        aux = head.target_features(hs, [0, 1, 2])
+        aux = head.target_features(hs, aux)
         pos = torch.arange(9)[None]
         a = head.logits(head(ids, head.project(aux), pos))
         b = warm.logits(warm(ids, warm.project(aux), pos))

@@ -197,12 +197,13 @@ def build(recipe, parts, data=None) -> Eagle3Head:
     aux = resolve_aux_layers(recipe, config.num_hidden_layers)
     if cfg.init_from:
         vd, released_aux = released_shape(cfg.init_from, config)
-        if released_aux is not None and list(released_aux) != list(aux):
+        # an export lists the ids ascending and once (vLLM's order); the cache may hold them in any order
+        if released_aux is not None and list(released_aux) not in (list(aux), sorted(set(aux))):
             raise SpecdistillError(f"draft.init_from {cfg.init_from}: the head reads target layers "
                                    f"{released_aux}, the cache holds {aux}; set cache.aux_layers: {released_aux}")
         head = Eagle3Head(config, vd, aux)
         head.config.ttt_steps = cfg.ttt_steps
-        warm_start(cfg.init_from, head, config)
+        warm_start(cfg.init_from, head, config, released_aux)
     else:
         head = Eagle3Head(config, _draft_vocab(recipe, config), aux)
         head.config.ttt_steps = cfg.ttt_steps
@@ -250,9 +251,24 @@ def released_shape(path, target_config) -> tuple[int, list[int] | None]:
     return int(vd or target_config.vocab_size), (list(aux) if aux else None)
 
 
-def warm_start(path, head: Eagle3Head, target_config) -> None:
+def fc_in_cache_order(fc: torch.Tensor, released_aux: list[int], aux: list[int], ht: int) -> torch.Tensor:
+    """fc's column blocks from the released order (ascending, each id once: the export's) into the cache's
+    order `aux`; a repeated id's first block gets the weights and the others zeros, so fc computes the same."""
+    blocks = dict(zip(released_aux, fc.split(ht, dim=1)))
+    seen: set[int] = set()
+    out = []
+    for layer_id in aux:
+        out.append(torch.zeros_like(blocks[layer_id]) if layer_id in seen else blocks[layer_id])
+        seen.add(layer_id)
+    return torch.cat(out, dim=1)
+
+
+def warm_start(path, head: Eagle3Head, target_config, released_aux: list[int] | None = None) -> None:
     """Continue training a released EAGLE-3 head (`draft.init_from`); its fc keeps reading raw aux states."""
     config, state = read_released(path)
+    if released_aux is not None and list(released_aux) != head.aux_layers and "fc.weight" in state:
+        state["fc.weight"] = fc_in_cache_order(state["fc.weight"], list(released_aux), head.aux_layers,
+                                               target_config.hidden_size)
     vocab = target_config.vocab_size
     vd = head.lm_head.weight.shape[0]
     d2t = state.pop("d2t", None)
