@@ -33,6 +33,7 @@ from specdistill import device, formats, integrity, kinds, layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.results import read_result
+from specdistill.eval.runtime_names import parse_runtime, resolve_runtime_name
 from specdistill.eval.served_tables import SERVED_NOTE, served_note, served_summary
 from specdistill.target import load_tokenizer, resolve_target
 
@@ -277,13 +278,14 @@ def run(recipe, args) -> None:
     target = resolve_target(recipe.target)
     prompts = load_prompts(recipe.eval, load_tokenizer(recipe.target))
     temperatures = recipe.eval.temperature if isinstance(recipe.eval.temperature, list) else [recipe.eval.temperature]
+    ours = read_result(recipe.run_dir, step_dir.name)
+    dtype = served_dtype(recipe, ours, target)
     job = {"prompts": [p.ids for p in prompts], "temperatures": [float(t) for t in temperatures],
            "max_new_tokens": recipe.eval.max_new_tokens, "seed": recipe.eval.seed,
-           "engine_overrides": {"dtype": recipe.served.dtype, "max_model_len": recipe.served.max_model_len,
+           "engine_overrides": {"dtype": dtype, "max_model_len": recipe.served.max_model_len,
                                 "seed": recipe.eval.seed, **recipe.served.engine_args}}
     out_dir = layout.served_dir(recipe.run_dir) / step_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    ours = read_result(recipe.run_dir, step_dir.name)
     started = time.perf_counter()
     raw = {}
     for engine in engines(recipe, step_dir, target, k):
@@ -300,7 +302,7 @@ def run(recipe, args) -> None:
               "num_prompts": len(prompts), "max_new_tokens": recipe.eval.max_new_tokens,
               "vllm_version": plain.get("vllm_version"), "plain": compare(plain, plain, None, k),
               "engines": entries, "ours_file": (ours or {}).get("_file"),
-              "settings": {"dtype": recipe.served.dtype, "engine_args": recipe.served.engine_args,
+              "settings": {"dtype": dtype, "engine_args": recipe.served.engine_args,
                            "method_args": recipe.served.method_args},
               "hardware": hardware(), "wall_s": time.perf_counter() - started}
     formats.write_json_atomic(served_path(recipe.run_dir, step_dir.name), record)
@@ -309,6 +311,17 @@ def run(recipe, args) -> None:
             write_served_note(recipe, record, e)
     print(served_summary(record))
     print(f"served: wrote {served_path(recipe.run_dir, step_dir.name)} in {record['wall_s'] / 60:.1f} min")
+
+
+def served_dtype(recipe, ours: dict | None, target: str) -> str:
+    """served.dtype, else the dtype our eval decoded in (its result's runtime; else eval.runtime resolved)."""
+    if recipe.served.dtype:
+        return recipe.served.dtype
+    if ours and ours.get("runtime"):
+        return parse_runtime(ours["runtime"])[1]
+    from transformers import AutoConfig
+
+    return parse_runtime(resolve_runtime_name(recipe.eval.runtime, AutoConfig.from_pretrained(target)))[1]
 
 
 def hardware() -> dict:

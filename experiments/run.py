@@ -3,8 +3,8 @@ experiments/records/NAME.json: the settings (each arm's full recipe), fingerprin
 results and the table the README renders (`python -m experiments.render`).
 
 Runners: `exactness` (the eval's own batch-invariance check, eval/exactness.py, on the real target in each
-arm's runtime: a minute on 2 cores) renders its table itself. `pipeline` (prepare -> cache -> train -> eval
-per arm) keeps each arm's raw results (stage times, training tokens/s, eval JSONs) and computes its table with
+arm's runtime: a minute on 2 cores) renders its table itself. `pipeline` (the stages of `make distill`
+per arm) keeps each arm's raw results (stage times, training tokens/s, eval and served JSONs) and computes its table with
 experiments/tables.py where that has a formatter for it (`python -m experiments.run NAME --table` recomputes it
 from the record); `bench` (a `make bench` entry) keeps its output. Tables without a formatter were transcribed
 from the sessions that ran them (each record says so in `provenance`), and a rerun records the raw results
@@ -29,7 +29,7 @@ from specdistill import device, provenance
 from specdistill.formats import read_jsonl
 from specdistill.recipe import recipe_dump
 
-PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "report", "export")  # what `make distill` runs
+PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "export", "served", "report")  # what `make distill` runs
 # the decode bench reads the last checkpoint; the scaling and peer benches run their own stages
 BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": (), "peer": ()}
 
@@ -76,7 +76,8 @@ def run_pipeline(exp) -> tuple[dict, list[list] | None]:
         # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
         results[arm] = {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
                         "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
-                        "eval": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))}}
+                        "eval": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))},
+                        "served": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "served").glob("*.json"))}}
     return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
 
 

@@ -197,8 +197,9 @@ class ServedConfig(Section):
     enabled: bool = Field(True, description="false: the stage prints one line and does nothing")
     python: str | None = Field(None, description="python of vLLM's environment (default $SPECDISTILL_VLLM_PYTHON, "
                                "else .venv-vllm/bin/python from `make setup-vllm`)")
-    dtype: str = Field("bfloat16", description="vLLM's --dtype, added to each README's serve command: the dtype "
-                       "our eval decodes in (eval.runtime auto = static-bf16), so the two engines compare alike")
+    dtype: str | None = Field(None, description="vLLM's --dtype, added to each README's serve command (default: "
+                              "the dtype of the runtime our eval result was decoded in, so the two engines "
+                              "compare alike)")
     max_model_len: int = Field(2048, ge=64, description="vLLM's --max-model-len (prompt + max_new_tokens fit)")
     methods: list[str] = Field(default_factory=lambda: ["ngram", "suffix"],
                                description="vLLM's training-free methods served at the same K beside the head")

