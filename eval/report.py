@@ -9,7 +9,9 @@ What it shows (definitions: ../shared/docs/metrics.md):
   - the comparators' speedups on the same prompts; where the time goes; α per draft depth;
   - how much data buys how much τ: held-out simulated and measured τ of every checkpoint against the training
     tokens it had seen, with a fitted saturating curve τ(N) = τ∞ − c·N^(−b) extrapolated to 10× the data;
-  - the draft vocabulary's coverage (EAGLE-3): held-out, and of the target's greedy outputs on the eval prompts.
+  - the draft vocabulary's coverage (EAGLE-3): held-out, and of the target's greedy outputs on the eval prompts;
+  - first, where `specdistill served` ran: whether vLLM serving each export agrees with our eval (the parity
+    gate: fit to deploy, or not and why) and vLLM's own numbers beside ours (eval/served_tables.py).
 `--runs A B C` puts several runs in one report: checkpoints/compare-A-B-C/report.md.
 """
 from __future__ import annotations
@@ -23,10 +25,11 @@ from specdistill.eval.plots import (plot_alpha_vs_fkl, plot_alpha_vs_predicted, 
                                     plot_tau_vs_tokens, plot_time_split)
 from specdistill.eval.results import (check_freshness, eval_settings, heldout_simulated_tau, load_evals, offline,
                                       result_at, run_key, temperatures)
+from specdistill.eval.served_tables import served_summary
 from specdistill.eval.scaling import scaling_fits, scaling_points, scaling_section, scaling_summary
 from specdistill.eval.tables import (DASH, category_table, chain_vs_tree_table, checkpoint_table, ci, comparator_table,
                                      cost_table, coverage_section, label, methods_table, num, tau_k_table, time_table)
-from specdistill.formats import write_text_atomic
+from specdistill.formats import read_json, write_text_atomic
 from specdistill.metrics import OFFLINE_KEYS
 
 
@@ -151,9 +154,27 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str,
         "tau_vs_tokens.png": plot_tau_vs_tokens(points, fits, many, out_dir / "tau_vs_tokens.png", footer),
     }
     scaling = scaling_section(points, fits, many, figures["tau_vs_tokens.png"].name)
-    text = render(runs, evals, many, best, headline, footer, command, figures, scaling)
+    text = render(runs, evals, many, best, headline, footer, command, figures, scaling,
+                  served_section(run_dirs or {}))
     write_text_atomic(out_dir / "report.md", text)
     return out_dir / "report.md", headline
+
+
+def served_section(run_dirs: dict[str, Path]) -> str:
+    """What vLLM measured of each run's exports (served/<checkpoint>.json), on the first screen: a head whose
+    served numbers disagree with ours is not fit to deploy, and that is the first thing a reader must see."""
+    parts = []
+    for name, run_dir in run_dirs.items():
+        for path in sorted(layout.served_dir(run_dir).glob("*.json")):
+            record = read_json(path)
+            parts.append(f"### {name} / {record['checkpoint']} (`{path.relative_to(run_dir.parent)}`)\n\n"
+                         f"{served_summary(record)}\n")
+    if not parts:
+        return ""
+    return ("## Served by vLLM: the exports measured where they are deployed\n"
+            "`specdistill served` serves each export with the command its README gives and decodes the same "
+            "prompts in vLLM. Fit to deploy: every tensor loaded, vLLM lossless at T=0, served τ inside our "
+            "interval.\n\n" + "\n".join(parts) + "\n")
 
 
 def notes(evals: list[dict], key: str) -> str:
@@ -188,7 +209,7 @@ def stale_section(evals: list[dict]) -> str:
             "exists. Rerun `specdistill eval` to replace them.\n\n" + "\n".join(lines) + "\n\n")
 
 
-def render(runs, evals, many, best, headline, footer, command, figures, scaling: str = "") -> str:
+def render(runs, evals, many, best, headline, footer, command, figures, scaling: str = "", served: str = "") -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
     reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.json\n{command}"
@@ -196,7 +217,7 @@ def render(runs, evals, many, best, headline, footer, command, figures, scaling:
 
 **{headline}**
 
-Produced from {len(evals)} eval result(s): {', '.join(f'`{e["_file"]}`' for e in evals)}.
+{served}Produced from {len(evals)} eval result(s): {', '.join(f'`{e["_file"]}`' for e in evals)}.
 What produced every number and figure below: {footer}
 
 Reproduce:

@@ -31,9 +31,18 @@ def verdict_lines(record: dict) -> list[str]:
     return lines
 
 
+SERVED_COLUMNS = ["engine", "T", "τ served [95% CI]", "τ ours [95% CI]", "gap", "α per depth served / ours",
+                  "lossless", "tokens/s", "× vLLM plain [95% CI]"]
+
+
 def served_table(record: dict) -> str:
-    header = ["engine", "T", "τ served [95% CI]", "τ ours [95% CI]", "gap", "α per depth served / ours",
-              "lossless", "tokens/s", "× vLLM plain [95% CI]"]
+    out = ["| " + " | ".join(SERVED_COLUMNS) + " |", "|" + "---|" * len(SERVED_COLUMNS)]
+    out += ["| " + " | ".join(row) + " |" for row in served_rows(record)]
+    return "\n".join(out)
+
+
+def served_rows(record: dict) -> list[list[str]]:
+    """One row per engine and temperature (the README's served table is these rows of its record)."""
     rows = []
     plain_rate = {r["temperature"]: r["tokens_per_s"] for r in record.get("plain", {}).get("results", [])}
     for t, rate in sorted(plain_rate.items()):
@@ -52,9 +61,7 @@ def served_table(record: dict) -> str:
                          f"{_num(ours.get('tau'))} {_ci(ours.get('tau_ci95'))}" if ours else "",
                          f"{r['tau_gap']:+.3f}" if "tau_gap" in r else "", alpha, lossless,
                          f"{r['tokens_per_s']:.1f}", f"{_num(r.get('speedup'), 2)} {_ci(r.get('speedup_ci95'))}"])
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(out)
+    return rows
 
 
 def conditions(record: dict) -> str:

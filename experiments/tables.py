@@ -11,6 +11,7 @@ from typing import Callable
 
 from benchmarks import peer_bench
 from specdistill.eval.scaling import fit_text
+from specdistill.eval.served_tables import served_rows
 
 
 def f2(x) -> str:
@@ -24,6 +25,12 @@ def times(x, ci=None) -> str:
 def clock(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes}:{secs:02d}"
+
+
+def served(results: dict) -> list[list[str]]:
+    """The served table (eval/served_tables.py) of the main arm's served checkpoint, as `specdistill served` prints it."""
+    record = results["main"]["served"]
+    return served_rows(record[sorted(record)[-1]])
 
 
 def last_eval(arm: dict) -> dict:
@@ -145,4 +152,5 @@ def peer(results: dict) -> list[list[str]]:
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
-                                                      "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k}
+                                                      "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
+                                                      "served-parity": served}

