@@ -292,6 +292,9 @@ def run(recipe, args) -> None:
         print(f"served: {engine['name']}: {' '.join(engine['serve'])}", flush=True)
         raw[engine["name"]] = run_engine(python, engine, job, out_dir, recipe.served.timeout_s)
         if raw[engine["name"]].get("error"):
+            if engine["name"] == "plain":  # vLLM cannot decode the target at all: nothing else would run either
+                raise SpecdistillError(f"served: vLLM at {python} could not decode the target: "
+                                       f"{raw['plain']['error']}; {INSTALL_HINT}")
             print(f"served: {engine['name']}: {raw[engine['name']]['error']}", file=sys.stderr)
     plain = raw.pop("plain")
     entries = [compare(e, plain, ours if e["name"] in kinds.export_formats() else None, k) for e in raw.values()]

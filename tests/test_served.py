@@ -206,3 +206,15 @@ def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(tmp_path, monk
     first_screen = (run_dir / "report.md").read_text().split("Produced from")[0]
     assert "`vllm-eagle3` NOT fit to deploy: T=0: served tau 1.700 outside ours 1.950 [1.900, 2.000]" in first_screen
     assert "| vllm-eagle3 | 0 | 1.700" in first_screen
+
+
+def test_a_broken_vllm_is_one_line_naming_the_install(tmp_path, monkeypatch, trained_runs):
+    """A vLLM environment whose import fails: the stage stops at vLLM's plain engine with one line."""
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(broken))
+    recipe, _ = trained_runs("draft_lm")
+    with pytest.raises(SpecdistillError, match=r"could not decode the target: vLLM exited 1 .*No module named "
+                                               r"vllm.*make setup-vllm"):
+        served.run(load_recipe(recipe, SERVED_TOY), None)
