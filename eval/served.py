@@ -303,7 +303,8 @@ def run(recipe, args) -> None:
             e["fit_to_deploy"], e["not_fit_because"] = verdict(e)
     record = {"checkpoint": step_dir.name, "k": k, "target": target, "prompts": recipe.eval.prompts,
               "num_prompts": len(prompts), "max_new_tokens": recipe.eval.max_new_tokens,
-              "vllm_version": plain.get("vllm_version"), "plain": compare(plain, plain, None, k),
+              "vllm_version": plain.get("vllm_version"), "vllm_cpu_expand": plain.get("cpu_expand"),
+              "plain": compare(plain, plain, None, k),
               "engines": entries, "ours_file": (ours or {}).get("_file"),
               "settings": {"dtype": dtype, "engine_args": recipe.served.engine_args,
                            "method_args": recipe.served.method_args},

