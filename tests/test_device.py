@@ -95,3 +95,43 @@ def test_bf16_emulated_on_the_cpu_is_named_once(monkeypatch, capsys):
     monkeypatch.setattr(device, "cpu_isa", lambda: "AVX512+avx512_bf16")
     device.warn_if_bf16_emulated(torch.bfloat16, "cpu", "the cache pass runs the target", "target.dtype=float32")
     assert capsys.readouterr().out == ""
+
+
+def _project_function(module_file: str, source: str, name: str, **globals_):
+    """A function whose frames carry a project module's file name, as if that module defined it."""
+    ns: dict = dict(globals_)
+    exec(compile(source, module_file, "exec"), ns)
+    return ns[name]
+
+
+def test_strict_mode_lets_library_code_under_a_torch_named_path_through(tmp_path):
+    """The lent GPU machine's Python lives in /opt/torch/.venv/: a library there (transformers re-making rotary
+    inv_freq with torch.arange(..., dtype=) inside from_pretrained) is not torch, and not the project's to police,
+    even when project code called it."""
+    import importlib.util
+
+    import specdistill.target as t
+
+    site = tmp_path / "opt" / "torch" / ".venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "somelib.py").write_text("import torch\n\ndef inv_freq():\n"
+                                     "    return torch.arange(0, 8, 2, dtype=torch.float32)\n")
+    spec = importlib.util.spec_from_file_location("somelib", site / "somelib.py")
+    somelib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(somelib)
+    load = _project_function(t.__file__, "def load():\n    return somelib.inv_freq()\n", "load", somelib=somelib)
+    with device.strict_device():
+        assert load().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_strict_mode_stops_a_project_factory_reached_through_torch_itself():
+    """Frames inside torch's own folder are walked through: a project nn.Linear without device= makes its weight
+    with torch.empty in torch/nn/modules/linear.py, and that tensor is the project's."""
+    import specdistill.metrics as m
+
+    build = _project_function(m.__file__, "import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n", "build")
+    with device.strict_device():
+        with pytest.raises(device.StrictDeviceError, match=r"specdistill/metrics\.py:4: torch\.empty"):
+            build()
+        torch.nn.Linear(4, 4)  # the tests' own module: allowed
+
