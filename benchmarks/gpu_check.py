@@ -7,8 +7,10 @@ Parts, each in its own process (a failure stops only its part; each part's peak 
   llama8b   a random-weight target of Llama-3.1-8B's shape (config only, bf16; --small scales it down for the
             CPU): the cache pass's tokens/s, a training step's time and peak memory, the static runtime's
             v(M) and d timed with device.clock, and whether T=0 speculative decoding equals plain greedy
+            (where not: the top-2 logit gap at the first differing token, recorded, not failed on)
   pipeline  prepare -> cache -> train -> eval -> report -> export through the CLI on a tiny random Llama with the
-            real SmolLM2 tokenizer (EAGLE-3 head; eval at T=0 and T=1, dynamic tree, comparators)
+            real SmolLM2 tokenizer (EAGLE-3 head; eval at T=0 and T=1, dynamic tree, comparators); T=0
+            divergences are recorded with eval's logit gaps: only an error in a stage fails it
   online    the same target with cache.mode online: the target computes the features inside each training step
   zero2     one process under DeepSpeed ZeRO-2, bf16
 Every stage runs with `device=<--device>` and, unless --no-strict, with SPECDISTILL_STRICT_DEVICE=1: a tensor
@@ -160,10 +162,29 @@ def part_pipeline(args, out: Path) -> dict:
     run = out / "runs" / "pipeline"
     result = json.loads(sorted((run / "eval").glob("step-*.json"))[-1].read_text())
     t0 = next(r for r in result["results"] if r["temperature"] == 0.0)
-    if t0.get("lossless") is not True:
-        raise RuntimeError(f"eval at T=0 was not lossless: {t0.get('lossless')}")
-    return {"stage_s": seconds, "T0_lossless": t0["lossless"], "tau_T0": round(t0["tau"], 3),
+    return {"stage_s": seconds, **t0_record(t0), "tau_T0": round(t0["tau"], 3),
             "hardware": result.get("hardware"), "exported": sorted(p.name for p in (run / "export").iterdir())}
+
+
+def t0_record(t0: dict) -> dict:
+    """What the pipeline part keeps of eval's T=0 result: whether it was lossless and, where it was not, each
+    divergence with the top-2 logit gap where it happened, as eval records them (eval/evaluate.py divergences).
+    Not a failure: on cuBLAS a near-tie can flip a greedy token without any device bug. A device error fails the
+    part by raising in its stage."""
+    found = list(t0.get("divergences") or [])
+    gaps = [d["top2_logit_gap"] for d in found if d.get("top2_logit_gap") is not None]
+    return {"T0_lossless": t0.get("lossless"), "T0_divergences": found,
+            "T0_max_divergence_gap": round(max(gaps), 4) if gaps else None,
+            "T0_lossless_vs_transformers": t0.get("lossless_vs_transformers"),
+            "T0_transformers_divergences": list(t0.get("transformers_divergences") or [])}
+
+
+def divergence_words(result: dict) -> str:
+    """`T=0 lossless`, or how many decodes diverged and the largest top-2 logit gap at a first differing token."""
+    found = result.get("T0_divergences") or []
+    if found:
+        return f"T=0 {len(found)} divergence(s), largest top-2 logit gap {result.get('T0_max_divergence_gap')}"
+    return "T=0 not lossless" if result.get("T0_lossless", result.get("T0_identical")) is False else "T=0 lossless"
 
 
 def part_online(args, out: Path) -> dict:
@@ -270,7 +291,8 @@ def measure_decode(recipe_path: Path, args, prefix: int = 256, k: int = 4, new_t
     through device.clock; the head is the one llama8b just trained (4 steps: its acceptance is not the point)."""
     from specdistill import kinds, layout
     from specdistill.eval.engine import SpeculativeDecoder
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.eval.evaluate import divergences
+    from specdistill.eval.prompts import Prompt, load_prompts
     from specdistill.eval.runtime import make_runtime, resolve_runtime_name
     from specdistill.recipe import load_recipe
     from specdistill.target import load_target, load_tokenizer
@@ -305,12 +327,15 @@ def measure_decode(recipe_path: Path, args, prefix: int = 256, k: int = 4, new_t
 
         plain = SpeculativeDecoder(runtime, None, 0).decode(prompt, new_tokens, 0.0)
         spec = SpeculativeDecoder(runtime, head, k).decode(prompt, new_tokens, 0.0)
+        # a differing decode is recorded with its logit gap (a near-tie on cuBLAS is no device bug), not failed on
+        found = divergences(runtime, [Prompt("", "", prompt)], [plain], {f"chain K={k}": [spec]})
     same = list(plain.tokens) == list(spec.tokens)
     first = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b), None)
     one = forward_ms["1"]
     return {"runtime": name, "prefix_tokens": prefix, "forward_ms": {m: round(v, 3) for m, v in forward_ms.items()},
             "v": {m: round(v / one, 3) for m, v in forward_ms.items()}, "draft_step_ms": round(draft_ms, 3),
             "d": round(draft_ms / one, 4), "k": k, "T0_identical": same, "first_divergence": first,
+            "T0_divergences": found, "T0_max_divergence_gap": round(found[0]["top2_logit_gap"], 4) if found else None,
             "tokens_compared": min(len(plain.tokens), len(spec.tokens)), "tau_T0": round(spec.tau, 3)}
 
 
@@ -341,14 +366,14 @@ def summary_line(rec: dict) -> str:
     if not rec["ok"]:
         return rec.get("error", "no result")
     if rec["part"] == "pipeline":
-        return f"T=0 lossless {r['T0_lossless']}, tau {r['tau_T0']}, exported {', '.join(r['exported'])}"
+        return f"{divergence_words(r)}, tau {r['tau_T0']}, exported {', '.join(r['exported'])}"
     if rec["part"] in ("online", "zero2"):
         return f"{r['steps']} steps, {r['step_s'] * 1000:.0f} ms/step, loss {r['last_loss']}"
     c, t, d = r["cache"], r["train"], r["decode"]
     v = d["v"]
     return (f"cache {c['tokens_per_s']:,.0f} tok/s; train step {t['step_s']:.3f} s ({t['tokens_per_step']} tok); "
             f"{d['runtime']} ms(1) {d['forward_ms']['1']:.2f}, v(2..5) {v['2']:.2f} {v['3']:.2f} {v['4']:.2f} "
-            f"{v['5']:.2f}, v(9) {v['9']:.2f}, d {d['d']:.3f}; T=0 identical {d['T0_identical']}")
+            f"{v['5']:.2f}, v(9) {v['9']:.2f}, d {d['d']:.3f}; {divergence_words(d)}")
 
 
 def main(argv=None) -> int:
