@@ -581,8 +581,11 @@ def load_model(recipe, device: torch.device):
 
 def cache_processes(recipe, device: torch.device) -> int:
     """How many processes run the pass: one per GPU of `train.num_gpus` on CUDA when the target fits on one;
-    otherwise one (the CPU's cores are one process's; a spread target is one process over all GPUs)."""
+    otherwise one (the CPU's cores are one process's; a spread target is one process over all GPUs; `cuda:N`
+    names one GPU)."""
     if torch.device(device).type != "cuda" or recipe.train.num_gpus <= 1:
+        return 1
+    if devices.names_one_gpu(recipe.device):  # `device: cuda:N`: the pass runs on that GPU, in this process
         return 1
     return min(recipe.train.num_gpus, torch.cuda.device_count()) if fits_one_device(recipe.target, device) else 1
 

@@ -57,6 +57,20 @@ def resolve(setting: str = "auto", key: str = "device") -> torch.device:
     raise SpecdistillError(f"{key}: {setting!r} is not one of {', '.join(SETTINGS)}")
 
 
+def names_one_gpu(setting) -> bool:
+    """Whether a `device` setting is `cuda:N`, one GPU by its index."""
+    return str(setting or "").strip().lower().startswith("cuda:")
+
+
+def refuse_one_gpu_for_ranks(setting, ranks: str, key: str = "device") -> None:
+    """`cuda:N` cannot be honoured by processes the DeepSpeed launcher starts: each rank's engine takes its
+    LOCAL_RANK's GPU (deepspeed/runtime/engine.py _set_distributed_vars), while its batches would go to cuda:N."""
+    if names_one_gpu(setting):
+        raise SpecdistillError(f"{key}: {setting!r} names one GPU, but {ranks} run one process per GPU under the "
+                               f"DeepSpeed launcher, each on its LOCAL_RANK's GPU; use {key}: cuda "
+                               f"(CUDA_VISIBLE_DEVICES chooses the GPUs)")
+
+
 def deepspeed_accelerator(device: torch.device) -> str:
     """The value of DS_ACCELERATOR for a device: DeepSpeed reads it before any autodetection."""
     return "cuda" if torch.device(device).type == "cuda" else "cpu"

