@@ -652,6 +652,7 @@ def stage(recipe, device: torch.device, rank: int = 0, world: int = 1) -> dict:
 
 def main(argv=None) -> int:
     """One rank of an N-process cache pass (started by the DeepSpeed launcher from `run`)."""
+    from specdistill.cli import strict_device_from_env
     from specdistill.recipe import load_recipe
     from specdistill.train.processes import join
 
@@ -664,7 +665,8 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         device = devices.resolve(recipe.device)
         rank, world = join(device)
-        stage(recipe, device, rank, world)
+        with strict_device_from_env():  # a launcher rank honours SPECDISTILL_STRICT_DEVICE as `specdistill` does
+            stage(recipe, device, rank, world)
     except SpecdistillError as e:
         print(f"specdistill cache: error: {e}", flush=True)
         return 1
