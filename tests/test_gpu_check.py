@@ -40,3 +40,69 @@ def test_a_lossless_run_says_so(tmp_path, monkeypatch):
     result = fake_pipeline_run(tmp_path, monkeypatch, [])
     assert result["T0_lossless"] is True and result["T0_divergences"] == [] and result["T0_max_divergence_gap"] is None
     assert gpu_check.summary_line({"part": "pipeline", "ok": True, "result": result}).startswith("T=0 lossless,")
+
+
+# ---- compiled-bf16 beside static-bf16 (llama8b's measure_compiled), torch.compile stood in for --------------------
+
+def compiled_inputs(monkeypatch, build_s: float = 0.0):
+    """A tiny bf16 target and EAGLE-3 head, and make_runtime giving the static runtime under the compiled name
+    (torch.compile costs a CPU-minute even here: tests/test_runtime.py runs it, marked slow)."""
+    import time
+
+    import torch
+
+    from specdistill.eval import runtime as runtimes
+    from tests.conftest import tiny_model
+    from tests.test_engine import eagle3_for
+
+    real = runtimes.make_runtime
+
+    def stand_in(model, name):
+        time.sleep(build_s)  # a compile that takes this long
+        rt = real(model, name.replace("compiled", "static"))
+        rt.name = name
+        return rt
+
+    monkeypatch.setattr(runtimes, "make_runtime", stand_in)
+    model = tiny_model(vocab_size=512).to(torch.bfloat16)
+    head = eagle3_for(model, list(range(0, 512, 4)))
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    return model, head, ids, [5, 9, 100, 42]
+
+
+def compiled(monkeypatch, deadline_in_s: float | None, build_s: float = 0.0) -> dict:
+    import time
+
+    from specdistill import device as devices
+
+    model, head, ids, prompt = compiled_inputs(monkeypatch, build_s)
+    args = Namespace(repeats=2, deadline=None if deadline_in_s is None else time.time() + deadline_in_s)
+    return gpu_check.measure_compiled(model, head, ids, prompt, 24, 2, 12, devices.clock("cpu"), args)
+
+
+def llama8b_record(c: dict) -> dict:
+    return {"part": "llama8b", "ok": True, "result": {"decode": {"compiled": c}}}
+
+
+def test_compiled_bf16_is_timed_and_its_t0_decode_compared(monkeypatch):
+    c = compiled(monkeypatch, deadline_in_s=None)
+    assert c["runtime"] == "compiled-bf16" and sorted(c["forward_ms"]) == [str(m) for m in range(1, 10)]
+    assert c["v"]["1"] == 1.0 and c["warmup_s"] >= 0 and c["T0_identical"] is True and c["T0_divergences"] == []
+    line = gpu_check.compiled_line(llama8b_record(c))
+    assert line.startswith("compiled-bf16 ms(1) ") and "compile and graph capture" in line and "T=0 lossless" in line
+
+
+def test_compiled_bf16_is_skipped_when_the_part_has_too_little_time_left(monkeypatch):
+    c = compiled(monkeypatch, deadline_in_s=gpu_check.COMPILED_MIN_S - 30)
+    assert set(c) == {"runtime", "skipped"} and "under 120 s" in c["skipped"]
+    assert gpu_check.compiled_line(llama8b_record(c)).startswith("compiled-bf16: skipped, ")
+
+
+def test_a_compile_past_the_part_limit_is_stopped_and_recorded_not_raised(monkeypatch):
+    """The alarm stops the compiled step COMPILED_MARGIN_S before the part's limit: the static numbers stand."""
+    monkeypatch.setattr(gpu_check, "COMPILED_MIN_S", 2)
+    monkeypatch.setattr(gpu_check, "COMPILED_MARGIN_S", 1)
+    c = compiled(monkeypatch, deadline_in_s=3, build_s=30)
+    assert c["error"].startswith("_OutOfTime: stopped 1 s before") and c["seconds"] < 10
+    assert gpu_check.compiled_line(llama8b_record(c)).startswith("compiled-bf16: ERROR _OutOfTime")
+    assert gpu_check.compiled_line({"part": "pipeline", "ok": True, "result": {}}) is None
