@@ -106,3 +106,99 @@ def test_a_compile_past_the_part_limit_is_stopped_and_recorded_not_raised(monkey
     assert c["error"].startswith("_OutOfTime: stopped 1 s before") and c["seconds"] < 10
     assert gpu_check.compiled_line(llama8b_record(c)).startswith("compiled-bf16: ERROR _OutOfTime")
     assert gpu_check.compiled_line({"part": "pipeline", "ok": True, "result": {}}) is None
+
+
+# ---- the .whl/ folder benchmarks/gpu_wheels.sh writes for the GPU machine (no network: its list and a fake build) --
+
+NOT_NEEDED = {"gguf": "reads GGUF targets only; gpu-check's tokenizer comes from .whl/smollm2-tokenizer",
+              "pytest": "the tests' (and on the image)", "setuptools": "the build's"}
+
+
+def requirement_names(requirements, carried: dict[str, str]) -> list[str]:
+    """What a list of requirement strings asks for on CPython 3.12 / Linux, extras' own left out; an `==` pin
+    on a carried package is checked against the carried version."""
+    from packaging.requirements import Requirement
+
+    from benchmarks.gpu_wheels import canonical
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    names = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = canonical(req.name)
+        if name in carried:
+            assert req.specifier.contains(carried[name], prereleases=True), (
+                f"{text}: the script carries {name}=={carried[name]}")
+        names.append(name)
+    return names
+
+
+def test_the_carried_wheels_are_this_venvs_versions_and_complete_what_gpu_check_imports():
+    """Every wheel pinned in gpu_wheels.sh is the version this venv runs (so the tests have run it), and every
+    requirement of a carried wheel and of the project is carried, on the lent machine's image, or not needed."""
+    import importlib.metadata as metadata
+    import tomllib
+
+    from benchmarks import gpu_wheels
+
+    carried, image = gpu_wheels.pins(), gpu_wheels.on_image()
+    assert {"pydantic", "datasets", "deepspeed"} <= set(carried) and not set(carried) & image
+    for name, version in carried.items():
+        assert metadata.version(name) == version, f"{name}: the script pins {version}, this venv has {metadata.version(name)}"
+    covered = set(carried) | image | set(NOT_NEEDED)
+    for name in carried:
+        missing = set(requirement_names(metadata.requires(name) or [], carried)) - covered
+        assert not missing, f"{name}=={carried[name]} needs {sorted(missing)}: neither carried nor on the image"
+    project = tomllib.loads((gpu_check.REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    missing = set(requirement_names(project, carried)) - covered
+    assert not missing, f"the project needs {sorted(missing)}: neither carried nor on the image"
+
+
+def fake_build(folder, wheels: list[str], tokenizer: bool = True):
+    folder.mkdir()
+    for name in wheels:
+        (folder / name).write_bytes(b"")
+    if tokenizer:
+        (folder / "smollm2-tokenizer").mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (folder / "smollm2-tokenizer" / f).write_text("{}")
+    return folder
+
+
+WHEELS = ["pydantic-2.14.4-py3-none-any.whl", "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+          "annotated_types-0.8.0-py3-none-any.whl", "typing_inspection-0.4.5-py3-none-any.whl",
+          "typing_extensions-4.16.0-py3-none-any.whl", "datasets-5.1.0-py3-none-any.whl",
+          "dill-0.4.1-py3-none-any.whl", "multiprocess-0.70.19-py312-none-any.whl",
+          "fsspec-2026.7.0-py3-none-any.whl", "hjson-3.1.0-py3-none-any.whl", "deepspeed-0.19.8-py3-none-any.whl"]
+
+
+def test_a_built_folder_is_checked_for_its_wheels_tags_tokenizer_and_size(tmp_path):
+    from benchmarks import gpu_wheels
+
+    assert gpu_wheels.check_dir(fake_build(tmp_path / "good", WHEELS)) == []
+    bad = fake_build(tmp_path / "bad", [w for w in WHEELS if not w.startswith("hjson")] + [
+        "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl", "numpy-2.4.6-cp313-cp313-manylinux_2_28_x86_64.whl",
+        "pydantic_core-2.50.5-cp312-cp312-macosx_11_0_arm64.whl"], tokenizer=False)
+    with open(bad / "padding.bin", "wb") as fh:
+        fh.truncate(65 * 2**20)  # sparse: 65 MiB counted, nothing written
+    problems = "\n".join(gpu_wheels.check_dir(bad))
+    for want in ("hjson==3.1.0: no wheel", "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl: version 2.46.4, "
+                 "the script pins 2.50.5", "numpy-2.4.6-cp313-cp313-manylinux_2_28_x86_64.whl: not in the script's list",
+                 "numpy-2.4.6-cp313-cp313-manylinux_2_28_x86_64.whl: not installable by CPython 3.12",
+                 "macosx_11_0_arm64.whl: not installable", "pydantic-core: 3 wheels",
+                 "smollm2-tokenizer/tokenizer.json: missing", "65.0 MiB in all, over the 64 MiB"):
+        assert want in problems, (want, problems)
+
+
+def test_the_checkouts_own_whl_folder_when_built():
+    import pytest
+
+    from benchmarks import gpu_wheels
+
+    folder = gpu_check.REPO_ROOT / ".whl"
+    if not folder.is_dir():
+        pytest.skip("no .whl/ here (bash benchmarks/gpu_wheels.sh builds it, with network)")
+    assert gpu_wheels.check_dir(folder) == []
