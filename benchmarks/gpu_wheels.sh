@@ -13,11 +13,18 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
 rm -f "$OUT"/*.whl
 
-# Binary wheels, versions pinned as in requirements.txt (or what the pinned packages require).
-# Already on the GPU machine's image (KINDS.md): numpy, pandas, pyarrow, xxhash, huggingface-hub, tqdm,
-# pyyaml, psutil, py-cpuinfo, einops, msgpack, ninja, packaging, typing-extensions, safetensors, peft, aiohttp.
+# What the lent machine's image already holds (its device notes, KINDS.md, read 2026-11-17), of what gpu-check
+# and the wheels below import: not carried. benchmarks/gpu_wheels.py reads these arrays; tests/test_gpu_check.py
+# checks that every requirement of a carried wheel and of the project is carried or here.
+ON_IMAGE=(
+  torch transformers tokenizers safetensors peft huggingface-hub numpy pandas pyarrow xxhash tqdm pyyaml psutil
+  py-cpuinfo einops msgpack ninja packaging filelock aiohttp requests jinja2 matplotlib scipy tensorboard
+)
+
+# Binary wheels, versions as in this venv (requirements.txt's pins, or what the pinned packages require).
 BINARY=(
-  pydantic==2.14.4 pydantic-core==2.46.4 annotated-types==0.8.0 typing-inspection==0.4.5   # the recipe schema
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5   # the recipe schema
+  typing-extensions==4.16.0   # pydantic needs >=4.16.0; the image's version is unread
   datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.7.0                      # prepare's splits
   hjson==3.1.0                                                                             # DeepSpeed's config
 )
@@ -27,7 +34,8 @@ BINARY=(
 
 # DeepSpeed ships an sdist only; without DS_BUILD_OPS its ops are built by JIT at first use, so the wheel
 # is pure Python (py3-none-any). No build isolation: its setup.py imports torch, which the venv has.
-DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" deepspeed==0.19.8
+DEEPSPEED=(deepspeed==0.19.8)
+DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "${DEEPSPEED[@]}"
 
 # The real tokenizer (SmolLM2's): the tiny targets of the check are built around it.
 TOK=$(ls -d .cache/targets/SmolLM2-135M-Instruct*/ | head -1)
@@ -36,6 +44,5 @@ cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$TOK"/chat_template.jinja
   || cp "$TOK"/tokenizer* "$OUT/smollm2-tokenizer/"
 
 ls -l "$OUT" "$OUT/smollm2-tokenizer"
-du -sh "$OUT"
-SIZE=$(du -sm "$OUT" | cut -f1)
-[ "$SIZE" -le 64 ] || { echo "$OUT is ${SIZE} MiB, over the 64 MiB a device call carries" >&2; exit 1; }
+# one wheel per pin at its version, installable by CPython 3.12 on x86-64, the tokenizer, <= 64 MiB in all
+"$PY" -m benchmarks.gpu_wheels "$OUT"

@@ -117,20 +117,30 @@ def topk_of(model, hidden: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return {"topk_logprobs": values.float(), "topk_ids": ids.to(torch.int32), "tail_mass": tail.float()}
 
 
+def real_rows(hidden: torch.Tensor, valid: torch.Tensor, device) -> torch.Tensor:
+    """hidden[valid] ([N, H], real tokens only) on `device`. A target spread with device_map="auto" leaves each
+    layer's hidden state on the GPU that computed it and the mask on the first: the small mask goes to the
+    state, only the selected rows travel."""
+    return hidden[valid.to(hidden.device)].to(device)
+
+
 @torch.inference_mode()
 def target_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, store: list[str],
                    aux_layers: list[int], k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One padded batch -> the stored kinds for its real tokens, concatenated row by row ([N, ...])."""
+    """One padded batch -> the stored kinds for its real tokens, concatenated row by row ([N, ...]).
+    Safe for a target spread over devices: each hidden state is masked where it lives, the aux layers are
+    stacked on the mask's device, and the final state stays where the final norm ran (the LM head reads it)."""
     need_aux = "hidden_aux" in store
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                               output_hidden_states=need_aux, use_cache=False)
     valid = attention_mask.bool()
-    last = out.last_hidden_state[valid]
+    last = real_rows(out.last_hidden_state, valid, out.last_hidden_state.device)
     result = {}
     if "hidden_last" in store:
         result["hidden_last"] = last.to(dtype)
     if need_aux:
-        result["hidden_aux"] = torch.stack([out.hidden_states[l][valid] for l in aux_layers], dim=1).to(dtype)
+        result["hidden_aux"] = torch.stack([real_rows(out.hidden_states[l], valid, valid.device) for l in aux_layers],
+                                           dim=1).to(dtype)
     if "topk" in store:
         result.update(topk_of(model, last, k))
     return result
@@ -571,8 +581,11 @@ def load_model(recipe, device: torch.device):
 
 def cache_processes(recipe, device: torch.device) -> int:
     """How many processes run the pass: one per GPU of `train.num_gpus` on CUDA when the target fits on one;
-    otherwise one (the CPU's cores are one process's; a spread target is one process over all GPUs)."""
+    otherwise one (the CPU's cores are one process's; a spread target is one process over all GPUs; `cuda:N`
+    names one GPU)."""
     if torch.device(device).type != "cuda" or recipe.train.num_gpus <= 1:
+        return 1
+    if devices.names_one_gpu(recipe.device):  # `device: cuda:N`: the pass runs on that GPU, in this process
         return 1
     return min(recipe.train.num_gpus, torch.cuda.device_count()) if fits_one_device(recipe.target, device) else 1
 
@@ -639,6 +652,7 @@ def stage(recipe, device: torch.device, rank: int = 0, world: int = 1) -> dict:
 
 def main(argv=None) -> int:
     """One rank of an N-process cache pass (started by the DeepSpeed launcher from `run`)."""
+    from specdistill.cli import strict_device_from_env
     from specdistill.recipe import load_recipe
     from specdistill.train.processes import join
 
@@ -651,7 +665,8 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         device = devices.resolve(recipe.device)
         rank, world = join(device)
-        stage(recipe, device, rank, world)
+        with strict_device_from_env():  # a launcher rank honours SPECDISTILL_STRICT_DEVICE as `specdistill` does
+            stage(recipe, device, rank, world)
     except SpecdistillError as e:
         print(f"specdistill cache: error: {e}", flush=True)
         return 1

@@ -145,6 +145,30 @@ def transformers_greedy(target, prompts, max_new_tokens: int, eos, pad_id) -> li
     return [comparators.run_comparator("hf_generate", target, p.ids, max_new_tokens, eos, pad_id)[0] for p in prompts]
 
 
+# The float32 copy of a reduced-precision target (the lossless reference and plain_static-fp32's weights) takes
+# 4 bytes per parameter beside the target's own: 32.1 GB for Llama-3.1-8B. On CUDA it is loaded only where the
+# device's free memory holds it with this margin (generate()'s activations, the allocator's slack).
+FP32_REFERENCE_MARGIN = 1.1
+FP32_REFERENCE_SLACK_BYTES = 2**30
+
+
+def fp32_reference_skipped(target) -> str | None:
+    """Why the float32 reference is not loaded (one line, for the log and the eval JSON), or None to load it: on
+    CUDA, when the device's free memory is short of 4 bytes per parameter (with the margin). Elsewhere (a float32
+    target is its own reference; the host's memory is not measured) it is always loaded."""
+    if target.dtype == torch.float32 or target.device.type != "cuda":
+        return None
+    params = sum(p.numel() for p in target.parameters())
+    need = 4 * params * FP32_REFERENCE_MARGIN + FP32_REFERENCE_SLACK_BYTES
+    free, _ = torch.cuda.mem_get_info(target.device)
+    if free >= need:
+        return None
+    return (f"the float32 reference (4 bytes x {params / 1e9:.2f}B parameters = {4 * params / 1e9:.1f} GB) needs "
+            f"{need / 1e9:.1f} GB with its margin, {free / 1e9:.1f} GB are free on {target.device}: not loaded, so "
+            f"lossless_vs_transformers and the {FP32_PLAIN} comparator are skipped (lossless against our own plain "
+            f"decoding is still checked)")
+
+
 def fp32_reference_model(target):
     """The target in float32 for the lossless reference: itself when it is float32, else a float32 copy of the
     weights it runs with (`run` loads the float32 target from disk instead)."""
@@ -181,14 +205,15 @@ def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
                         draft_kind: str, heldout: dict | None, with_comparators: bool = True,
                         reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
-                        runtime=None, reference_model=None) -> dict:
+                        runtime=None, reference_model=None, reference_skipped: str | None = None) -> dict:
     """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
     `reference_tokens`: transformers' float32 greedy generate() output per prompt, by `reference_model` (the
     float32 target; computed here when not given); `fingerprint`: checkpoint_fingerprint of the step dir;
-    `runtime`: the target's runtime (eval/runtime.py; default: eval.runtime of the recipe).
+    `runtime`: the target's runtime (eval/runtime.py; default: eval.runtime of the recipe); `reference_skipped`:
+    why the float32 reference was not loaded (fp32_reference_skipped; checked here when no reference is given).
     """
     cfg = recipe.eval
     eos = eos_token_ids(target, tokenizer)
@@ -201,7 +226,9 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                         SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
-    if 0 in recipe.temperatures:  # the float32 target: the lossless reference, and plain fp32 decoding's weights
+    if 0 in recipe.temperatures and reference_model is None and reference_skipped is None:
+        reference_skipped = fp32_reference_skipped(target)
+    if 0 in recipe.temperatures and reference_skipped is None:  # the lossless reference, plain fp32's weights
         reference_model = reference_model or fp32_reference_model(target)
     family, dtype = parse_runtime(runtime.name)
     if wanted and family == "static" and dtype != "float32" and reference_model is not None:
@@ -234,21 +261,27 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
-            reference = reference_tokens
-            if reference is None:
-                reference = transformers_greedy(reference_model, prompts, cfg.max_new_tokens, eos, pad_id)
-            # the chain (baseline and every K) and the tree are judged apart: a tree tie says nothing of the chain
-            result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs, [])
-            result["transformers_mismatched_prompts"] = mismatched
-            chain_runs = {"baseline": base_runs, **{f"chain K={k}": runs for k, runs in spec_runs.items()}}
-            result["transformers_divergences"] = reference_divergences(reference_model, prompts, reference, chain_runs)
-            result["lossless_vs_transformers_reference"] = (
-                "transformers generate(), greedy, float32 weights (batch-invariant enough to be the reference); each "
-                "divergence of ours is listed with the reference's top-2 logit gap at its first differing token")
-            if tree_runs:
-                result["tree"]["lossless_vs_transformers"] = lossless_vs_reference(reference, [], {}, tree_runs)[0]
-                result["tree"]["transformers_divergences"] = reference_divergences(reference_model, prompts, reference,
-                                                                                    {"tree": tree_runs})
+            if reference_model is None:  # too little device memory for the float32 copy: said, not guessed
+                result["lossless_vs_transformers"] = None
+                result["lossless_vs_transformers_skipped"] = reference_skipped
+                if tree_runs:
+                    result["tree"]["lossless_vs_transformers"] = None
+            else:
+                reference = reference_tokens
+                if reference is None:
+                    reference = transformers_greedy(reference_model, prompts, cfg.max_new_tokens, eos, pad_id)
+                # the chain (baseline and every K) and the tree are judged apart: a tree tie says nothing of the chain
+                result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs, [])
+                result["transformers_mismatched_prompts"] = mismatched
+                chain_runs = {"baseline": base_runs, **{f"chain K={k}": runs for k, runs in spec_runs.items()}}
+                result["transformers_divergences"] = reference_divergences(reference_model, prompts, reference, chain_runs)
+                result["lossless_vs_transformers_reference"] = (
+                    "transformers generate(), greedy, float32 weights (batch-invariant enough to be the reference); each "
+                    "divergence of ours is listed with the reference's top-2 logit gap at its first differing token")
+                if tree_runs:
+                    result["tree"]["lossless_vs_transformers"] = lossless_vs_reference(reference, [], {}, tree_runs)[0]
+                    result["tree"]["transformers_divergences"] = reference_divergences(
+                        reference_model, prompts, reference, {"tree": tree_runs})
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
@@ -327,8 +360,12 @@ def run(recipe, args) -> list[Path]:
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
-    reference, reference_model = None, None
-    if 0 in recipe.temperatures or 0.0 in recipe.temperatures:  # transformers' greedy tokens, once per run
+    reference, reference_model, reference_skipped = None, None, None
+    if 0 in recipe.temperatures or 0.0 in recipe.temperatures:
+        reference_skipped = fp32_reference_skipped(target)
+        if reference_skipped:
+            print(f"warning: {reference_skipped}", flush=True)
+    if (0 in recipe.temperatures or 0.0 in recipe.temperatures) and not reference_skipped:  # once per run
         eos = eos_token_ids(target, tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
         # the lossless reference runs in float32, loaded from disk (not the runtime's cast weights)
@@ -343,6 +380,7 @@ def run(recipe, args) -> list[Path]:
                                      # assisted generation is the one comparator that reads the draft
                                      with_comparators=step_dir == steps[-1] or comparators.assistant_of(draft) is not None,
                                      reference_tokens=reference, reference_model=reference_model,
+                                     reference_skipped=reference_skipped,
                                      fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint

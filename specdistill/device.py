@@ -57,6 +57,20 @@ def resolve(setting: str = "auto", key: str = "device") -> torch.device:
     raise SpecdistillError(f"{key}: {setting!r} is not one of {', '.join(SETTINGS)}")
 
 
+def names_one_gpu(setting) -> bool:
+    """Whether a `device` setting is `cuda:N`, one GPU by its index."""
+    return str(setting or "").strip().lower().startswith("cuda:")
+
+
+def refuse_one_gpu_for_ranks(setting, ranks: str, key: str = "device") -> None:
+    """`cuda:N` cannot be honoured by processes the DeepSpeed launcher starts: each rank's engine takes its
+    LOCAL_RANK's GPU (deepspeed/runtime/engine.py _set_distributed_vars), while its batches would go to cuda:N."""
+    if names_one_gpu(setting):
+        raise SpecdistillError(f"{key}: {setting!r} names one GPU, but {ranks} run one process per GPU under the "
+                               f"DeepSpeed launcher, each on its LOCAL_RANK's GPU; use {key}: cuda "
+                               f"(CUDA_VISIBLE_DEVICES chooses the GPUs)")
+
+
 def deepspeed_accelerator(device: torch.device) -> str:
     """The value of DS_ACCELERATOR for a device: DeepSpeed reads it before any autodetection."""
     return "cuda" if torch.device(device).type == "cuda" else "cpu"
@@ -197,20 +211,30 @@ FACTORIES = frozenset({
     torch.logspace, torch.eye, torch.tensor, torch.as_tensor, torch.rand, torch.randn, torch.randint,
     torch.randperm, torch.tril_indices, torch.triu_indices, torch.empty_strided, torch.scalar_tensor,
 })
+# Not here: torch.from_numpy and torch.frombuffer never reach a TorchFunctionMode (no mode can stop them), and
+# torch.asarray is what safetensors' Rust reader calls, with no Python frame of its own: the project line that
+# slices a host-side shard (data/cache_reader.py) would be blamed for it.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The package's folders: specdistill/ and the user's data/, train/, eval/ mapped into it (pyproject.toml).
 PROJECT_DIRS = tuple(str(PROJECT_ROOT / d) + os.sep for d in ("specdistill", "data", "train", "eval"))
 
 
+# torch's own folder, as imported and with links resolved. Not "/torch/" in a path: the lent GPU machine's
+# Python lives in /opt/torch/.venv/, where that would take every library (transformers, accelerate) for torch.
+_TORCH_DIR = os.path.dirname(torch.__file__)
+TORCH_DIRS = tuple({_TORCH_DIR + os.sep, os.path.realpath(_TORCH_DIR) + os.sep})
+
+
 def _project_caller() -> str | None:
     """file:line of the nearest project frame calling into torch, or None if the call came from elsewhere
-    (torch, transformers, DeepSpeed, the tests)."""
+    (transformers, DeepSpeed, any other library, the tests). Frames inside torch are walked through: a project
+    `nn.Linear(4, 4)` reaches torch.empty from torch/nn/modules/linear.py and is the project's."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(PROJECT_DIRS) and not name.endswith(os.sep + "device.py"):
             return f"{os.path.relpath(name, PROJECT_ROOT)}:{frame.f_lineno}"
-        if "/torch/" not in name:  # first non-torch frame decides: library code is not ours to police
+        if not name.startswith(TORCH_DIRS):  # first frame outside torch decides: library code is not ours to police
             return None
         frame = frame.f_back
     return None

@@ -78,3 +78,25 @@ def test_strict_device_env_wraps_the_stage(recipe_file, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_STRICT_DEVICE", "1")
     with pytest.raises(device.StrictDeviceError, match=r"specdistill/probe_stage\.py:3: torch\.zeros"):
         main(["config", "--recipe", str(recipe_file)])
+
+
+@pytest.mark.parametrize("module", ["specdistill.train.loop", "specdistill.data.cache"])
+def test_launcher_ranks_honour_the_strict_device_env(module, recipe_file, monkeypatch):
+    """The processes the DeepSpeed launcher starts (training, an N-GPU cache pass) run their stage under the
+    strict mode too when SPECDISTILL_STRICT_DEVICE=1 reaches them in their environment."""
+    import importlib
+
+    from specdistill import device
+    from specdistill.train import processes
+
+    rank_main = importlib.import_module(module)
+    where = device.PROJECT_ROOT / "specdistill" / "probe_stage.py"  # a stage of the project (never written)
+    namespace = {}
+    exec(compile("import torch\ndef stage(*args, **kwargs):\n    torch.zeros(1)\n", str(where), "exec"), namespace)
+    monkeypatch.setattr(rank_main, "train" if module.endswith("loop") else "stage", namespace["stage"])
+    monkeypatch.setattr(processes, "join", lambda device: (0, 1))
+    monkeypatch.delenv("SPECDISTILL_STRICT_DEVICE", raising=False)
+    assert rank_main.main(["--recipe", str(recipe_file)]) == 0
+    monkeypatch.setenv("SPECDISTILL_STRICT_DEVICE", "1")
+    with pytest.raises(device.StrictDeviceError, match=r"specdistill/probe_stage\.py:3: torch\.zeros"):
+        rank_main.main(["--recipe", str(recipe_file)])

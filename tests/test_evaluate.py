@@ -454,3 +454,52 @@ def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_dra
     got = offline.vocab_coverage_eval(almost, greedy, vocab)
     assert got["vocab_coverage_eval"] == pytest.approx(1 - tokens.count(missing) / len(tokens))
     assert got["draft_vocab_size"] == vocab - 1
+
+
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+class _OnCuda:
+    """What fp32_reference_skipped reads of a target: its dtype, its device and its parameters' sizes."""
+
+    def __init__(self, params: int, dtype=torch.bfloat16):
+        self.dtype, self.device, self._params = dtype, torch.device("cuda", 0), params
+
+    def parameters(self):
+        return [_Sized(self._params)]
+
+
+def test_the_fp32_reference_is_skipped_on_cuda_when_the_device_cannot_hold_it(monkeypatch):
+    """4 bytes per parameter: Llama-3.1-8B's 8.03B need 32.1 GB (36.4 with the margin); on an 80 GB card with
+    the bf16 target loaded it is kept, on a 48 GB one it is skipped, said in one line."""
+    free = {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
+    target = _OnCuda(8_030_261_248)
+    free["bytes"] = 80e9 - 16.1e9 - 1e9
+    assert evaluate.fp32_reference_skipped(target) is None
+    free["bytes"] = 48e9 - 16.1e9 - 1e9
+    why = evaluate.fp32_reference_skipped(target)
+    assert why.startswith("the float32 reference (4 bytes x 8.03B parameters = 32.1 GB) needs 36.4 GB")
+    assert "30.9 GB are free on cuda:0" in why and "lossless_vs_transformers" in why
+    assert evaluate.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32)) is None  # its own reference
+
+
+def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
+    """Without the float32 copy, lossless against our own plain decoding is still checked; lossless against
+    transformers' generate() is None with the reason, and plain_static-fp32 is not timed."""
+    recipe, target = setup
+    recipe.eval.temperature = 0.0
+    recipe.eval.k_sweep = []
+    monkeypatch.setattr(evaluate, "fp32_reference_skipped", lambda target: "too little memory (test)")
+    monkeypatch.setattr(evaluate, "fp32_reference_model", lambda target: pytest.fail("the fp32 copy was made"))
+    tokenizer = load_tokenizer(recipe.target)
+    prompts = load_prompts(recipe.eval, tokenizer)
+    draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
+    r = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"][0]
+    assert r["lossless"] is True and r["lossless_vs_transformers"] is None
+    assert r["lossless_vs_transformers_skipped"] == "too little memory (test)" and "transformers_divergences" not in r

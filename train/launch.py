@@ -95,6 +95,10 @@ def restart(run_dir: Path) -> None:
 
 
 def run(recipe, args=None, stop_after: int | None = None):
+    tc = recipe.train
+    if not in_process(recipe):  # before anything runs: a recipe that cannot be honoured stops with one line
+        devices.refuse_one_gpu_for_ranks(recipe.device, f"train.num_gpus {tc.num_gpus} x train.num_nodes {tc.num_nodes}"
+                                         + (f" (train.hostfile {tc.hostfile})" if tc.hostfile else ""))
     cache = layout.cache_dir(recipe.run_dir)
     if not (cache / "manifest.json").exists():
         raise SpecdistillError(f"{cache}: no cache; run `specdistill cache --recipe {recipe.source}` first")

@@ -362,8 +362,11 @@ def main(argv=None) -> int:
         print(f"specdistill train: error: {e}", flush=True)
         return 1
     rank = int(os.environ.get("RANK", 0))
+    from specdistill.cli import strict_device_from_env
+
     try:
-        train(recipe, stop_after=args.stop_after)
+        with strict_device_from_env():  # a launcher rank honours SPECDISTILL_STRICT_DEVICE as `specdistill` does
+            train(recipe, stop_after=args.stop_after)
     except Preempted as e:
         preemption.record_end(recipe.run_dir, rank, "preempted")
         print(f"specdistill train: {e}", flush=True)

@@ -98,6 +98,13 @@ def use_accelerator(device: torch.device) -> None:
                                f"already uses {got!r}; run it in a fresh process")
 
 
+def in_process_local_rank(device) -> str:
+    """LOCAL_RANK of a process the launcher did not start: DeepSpeed puts its engine on that GPU, so it is the
+    index `device: cuda:N` names (else `cuda:N` would train on cuda:0 with its batches on cuda:N); 0 on the CPU."""
+    device = torch.device(device)
+    return str(device.index or 0) if device.type == "cuda" else "0"
+
+
 def join(device: torch.device) -> tuple[int, int]:
     """Join the launcher's process group (or a 1-process group when run in-process); (rank, world)."""
     if not dist.is_initialized():
@@ -105,8 +112,8 @@ def join(device: torch.device) -> tuple[int, int]:
 
         launched = "MASTER_PORT" in os.environ
         if not launched:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=in_process_local_rank(device),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         deepspeed.init_distributed(dist_backend=backend(device))
         if not launched:
             # This process listens on that port for as long as it lives: a child that inherited MASTER_PORT
