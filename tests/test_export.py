@@ -173,7 +173,8 @@ def test_readme_has_serve_command_target_and_measurements(setup):
     step_dir = make_eagle_checkpoint(recipe, target.config)
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
     readme = (out / "README.md").read_text()
-    spec = json.dumps({"method": "eagle", "model": str(out.resolve()), "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "eagle", "model": str(out.resolve()), "num_speculative_tokens": 3,
+                       "draft_sample_method": "probabilistic"})  # vLLM samples the draft at T>0, as our eval does
     assert f"vllm serve {recipe.target.path} --speculative-config '{spec}'" in readme
     assert fingerprint_target(recipe.target)["weights"] in readme
     assert "not evaluated" in readme
