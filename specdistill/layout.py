@@ -26,6 +26,11 @@ def shared_cache_root(recipe) -> Path:
     return Path(recipe.cache.dir).expanduser() if recipe.cache.dir else recipe.output_root / "shared-cache"
 
 
+def plan_path(run_dir: Path) -> Path:
+    """The sizes `specdistill plan` chose for this machine and budget; every stage of the run applies them."""
+    return run_dir / "plan.json"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step:07d}"
 

@@ -6,6 +6,7 @@ parsed as YAML (so `train.max_steps=50`, `eval.temperature=[0,1]`, `corpus.colum
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -15,7 +16,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from specdistill import kinds
 from specdistill.errors import SpecdistillError
-from specdistill.layout import REPO_ROOT
+from specdistill.layout import REPO_ROOT, plan_path
 from specdistill.section import Section
 
 # Run outputs; the recipe's `output_dir` wins over this, tests point it elsewhere with SPECDISTILL_CHECKPOINTS.
@@ -218,6 +219,10 @@ class Recipe(Section):
     device: str = Field("auto", description="where every stage runs: auto (CUDA when present, else the CPU), "
                                               "cpu, cuda (this process's LOCAL_RANK), or cuda:N; resolved by "
                                               "specdistill/device.py")
+    budget_minutes: float | None = Field(None, gt=0, description="the run's time budget: `specdistill plan` (the "
+                                         "first step of `make distill`) measures this machine and sizes corpus."
+                                         "max_rows and train.max_steps, never above the recipe's, so the whole run "
+                                         "fits (specdistill/plan_stage.py); null: the sizes as written")
     target: TargetConfig
     corpus: CorpusConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -338,7 +343,36 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if recipe.run_name is None:
         recipe.run_name = path.stem
     recipe.source = str(path)
-    return recipe
+    return _with_plan(recipe, tree, path)
+
+
+def plan_key(recipe: Recipe) -> dict:
+    """What a plan was sized from: if any of it changes, the plan no longer applies."""
+    return {"budget_minutes": recipe.budget_minutes, "max_rows": recipe.corpus.max_rows,
+            "max_steps": recipe.train.max_steps, "save_every": recipe.train.save_every}
+
+
+def _with_plan(recipe: Recipe, tree: dict, path: Path) -> Recipe:
+    """With budget_minutes set, the plan `specdistill plan` wrote for this run (<run_dir>/plan.json) sets its
+    overrides over the recipe's, so every stage of the run sees the same sizes. No plan: the recipe as written."""
+    if recipe.budget_minutes is None or not plan_path(recipe.run_dir).is_file():
+        return recipe
+    where = plan_path(recipe.run_dir)
+    try:
+        plan = json.loads(where.read_text())
+        made_for, overrides = plan["for"], plan["overrides"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecdistillError(f"{where}: not a plan written by `specdistill plan` ({e}); delete it or run the "
+                               "plan again") from None
+    if made_for != plan_key(recipe):
+        raise SpecdistillError(f"{where}: made for {made_for}, the recipe now says {plan_key(recipe)}; run "
+                               f"`specdistill plan --recipe {path}` again (or set budget_minutes=null)")
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set(tree, parts, value, str(where))
+    planned = Recipe.model_validate(_coerce_numbers(tree))
+    planned.run_name, planned.source = recipe.run_name, recipe.source
+    return planned
 
 
 def recipe_dump(recipe: Recipe) -> dict:

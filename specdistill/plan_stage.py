@@ -1,0 +1,187 @@
+"""`specdistill plan`: size a run to its time budget on this machine (recipe key budget_minutes).
+
+The same work runs up to 2.3x slower on one CPU than on another, and bf16 runs emulated (~8x slower) where the CPU
+has no native bf16, so a recipe sized on one machine overruns on the next. The plan measures instead of guessing:
+it runs prepare, cache, train, eval (twice, at two decode lengths), export and report at a few rows in a scratch
+run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows and train.max_steps down together
+(never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits.
+On a CPU without native bf16 it also moves the run to fp32. It writes <run_dir>/plan.json; every later stage of
+the run applies its overrides (recipe._with_plan), the CLI prints the time left after each stage, and the eval
+result carries the plan. The served stage is not probed (a vLLM start-up alone is minutes): its estimate is the
+per-engine start-up measured in experiments/served-parity plus the decode at twice our plain tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shutil
+import statistics
+import time
+
+from specdistill import device as devices
+from specdistill import layout
+from specdistill.cli import STAGES
+from specdistill.errors import SpecdistillError
+from specdistill.formats import read_jsonl
+from specdistill.plan import format_plan
+from specdistill.recipe import load_recipe, plan_key
+
+PROBE_ROWS = 96
+PROBE_STEPS = 6
+PROBE_TOKENS = (8, 24)  # two decode lengths: their difference is the eval's cost per token, the rest is fixed
+VLLM_START_S = 105.0  # one vLLM engine's start-up, median of 4 in experiments/served-parity (AVX2 EPYC, 2 cores)
+VLLM_OVER_OURS = 2.0  # vLLM's plain tokens/s over our static-fp32 plain decoding there (26.6 vs 14.0, rounded)
+MIN_ROWS = 64
+
+
+def fp32_overrides(recipe, device) -> list[str]:
+    """bf16 emulated (a CPU without AVX-512 BF16 or AMX) costs ~8x fp32: the run goes fp32 there."""
+    if device.type != "cpu" or devices.native_bf16(device):
+        return []
+    moves = []
+    if recipe.target.dtype != "float32":
+        moves.append("target.dtype=float32")
+    if recipe.train.precision != "fp32":
+        moves.append("train.precision=fp32")
+    if recipe.eval.runtime in ("auto",) or recipe.eval.runtime.endswith("-bf16"):
+        family = "static" if recipe.eval.runtime == "auto" else recipe.eval.runtime.split("-")[0]
+        moves.append(f"eval.runtime={family}-fp32")
+    return moves
+
+
+def timed(stage: str, source: str, overrides: list[str], **args) -> tuple[float, object]:
+    """One stage in this process, as the CLI would run it; its wall seconds and what its run() returned."""
+    recipe = load_recipe(source, overrides)
+    t0 = time.time()
+    out = importlib.import_module(STAGES[stage][0]).run(recipe, argparse.Namespace(**args))
+    return time.time() - t0, out
+
+
+def probe(recipe, overrides: list[str]) -> dict:
+    """Each stage at a few rows; the rates the estimate scales."""
+    name = f"{recipe.run_name}-plan-probe"
+    probe_run = recipe.run_dir.parent / name
+    shutil.rmtree(probe_run, ignore_errors=True)
+    small = [*overrides, f"run_name={name}", "budget_minutes=null", f"corpus.max_rows={PROBE_ROWS}",
+             f"train.max_steps={PROBE_STEPS}", f"train.save_every={PROBE_STEPS}", "train.warmup_steps=1",
+             "eval.checkpoints=last", f"eval.num_prompts={min(2, recipe.eval.num_prompts)}",
+             f"eval.tuning_prompts={min(1, recipe.eval.tuning_prompts)}"]
+    m = {}
+    m["prepare_s"], prepared = timed("prepare", recipe.source, small)
+    m["cache_rows"] = prepared["rows_read"]  # skipped rows included: max_rows counts rows read
+    m["corpus_rows"] = m["cache_rows"] if m["cache_rows"] < PROBE_ROWS else None  # None: more than the probe read
+    m["cache_s"], manifest = timed("cache", recipe.source, small)
+    done = manifest.get("_run") or {}
+    m["cache_tokens"] = sum(manifest["splits"][s]["tokens"] for s in manifest["splits"])
+    m["cache_tokens_per_s"] = done.get("tokens_per_s") or m["cache_tokens"] / m["cache_s"]
+    m["cache_fixed_s"] = max(0.0, m["cache_s"] - done.get("computed_tokens", 0) / m["cache_tokens_per_s"])
+    m["train_s"], _ = timed("train", recipe.source, small)
+    steps = read_jsonl(probe_run / "train_log.jsonl")
+    step_seconds = [s["tokens"] / s["tokens_per_s"] for s in steps]
+    m["train_step_s"] = statistics.median(step_seconds[2:] or step_seconds)  # past the first steps' warm-up
+    m["train_tokens_per_step"] = statistics.median(s["tokens"] for s in steps)
+    m["train_fixed_s"] = max(0.0, m["train_s"] - sum(step_seconds))  # start-up, the JIT build, the save
+    evals = []
+    for tokens in PROBE_TOKENS:
+        seconds, _ = timed("eval", recipe.source, [*small, f"eval.max_new_tokens={tokens}"], checkpoint=None)
+        evals.append(seconds)
+    result = json.loads(max((probe_run / "eval").glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    m["eval_s"] = evals
+    m["eval_per_token_s"] = max(0.0, (evals[1] - evals[0]) / (PROBE_TOKENS[1] - PROBE_TOKENS[0]))
+    m["eval_fixed_s"] = max(0.0, evals[0] - PROBE_TOKENS[0] * m["eval_per_token_s"])
+    m["eval_prompts"] = min(2, recipe.eval.num_prompts) + min(1, recipe.eval.tuning_prompts)
+    m["plain_tokens_per_s"] = min(r["baseline_tokens_per_s"] for r in result["results"])
+    m["export_s"], _ = timed("export", recipe.source, small, checkpoint=None, format=None)
+    m["report_s"], _ = timed("report", recipe.source, small, runs=None)
+    shutil.rmtree(probe_run, ignore_errors=True)
+    return m
+
+
+def rows_to_cache(recipe, corpus_rows: int | None) -> int:
+    """The rows the run reads: max_rows, or all of a corpus the probe read to its end (corpus_rows)."""
+    if corpus_rows is None:
+        if recipe.corpus.max_rows is None:
+            raise SpecdistillError(f"{recipe.source}: budget_minutes needs corpus.max_rows (the most rows the plan "
+                                   "may run): the corpus is larger than the probe reads")
+        return recipe.corpus.max_rows
+    return corpus_rows if recipe.corpus.max_rows is None else min(recipe.corpus.max_rows, corpus_rows)
+
+
+def estimate(recipe, m: dict, scale: float) -> dict:
+    """Seconds per stage at `scale` times the recipe's rows and steps (each stage's fixed cost plus its rate)."""
+    rows = rows_to_cache(recipe, m["corpus_rows"]) * scale
+    steps = recipe.train.max_steps * scale  # unrounded: the estimate stays linear in the scale (fit solves it)
+    saves = math.ceil(recipe.train.max_steps / recipe.train.save_every)
+    tokens_per_row = m["cache_tokens"] / m["cache_rows"]
+    heldout_tokens = rows * recipe.corpus.heldout_fraction * tokens_per_row
+    # a save scores the held-out split: a forward only, about a third of a training step's cost per token
+    heldout_s = heldout_tokens / m["train_tokens_per_step"] * m["train_step_s"] / 3
+    prompts = recipe.eval.num_prompts + recipe.eval.tuning_prompts
+    checkpoints = recipe.eval.checkpoints if isinstance(recipe.eval.checkpoints, int) else 1
+    decode = m["eval_per_token_s"] * recipe.eval.max_new_tokens * prompts / m["eval_prompts"]
+    out = {"prepare": m["prepare_s"],
+           "cache": m["cache_fixed_s"] + rows * tokens_per_row / m["cache_tokens_per_s"],
+           "train": m["train_fixed_s"] + steps * m["train_step_s"] + saves * heldout_s,
+           "eval": m["eval_fixed_s"] + checkpoints * decode,
+           "export": m["export_s"], "served": 0.0, "report": m["report_s"]}
+    if recipe.served.enabled:
+        engines = 1 + len(recipe.export.formats or [None]) + len(recipe.served.methods)
+        served_tokens = len(recipe.temperatures) * recipe.eval.num_prompts * recipe.eval.max_new_tokens
+        out["served"] = engines * (VLLM_START_S + served_tokens / (VLLM_OVER_OURS * m["plain_tokens_per_s"]))
+    return out
+
+
+def fit(recipe, m: dict, budget_s: float, spent_s: float) -> float:
+    """The largest scale <= 1 whose estimate fits the budget (every stage is linear in the scale)."""
+    fixed = sum(estimate(recipe, m, 0.0).values()) + spent_s
+    per_unit = sum(estimate(recipe, m, 1.0).values()) + spent_s - fixed
+    scale = min(1.0, (budget_s - fixed) / per_unit) if per_unit > 0 else 1.0
+    available = rows_to_cache(recipe, m["corpus_rows"])
+    too_few = available >= MIN_ROWS and scale * available < MIN_ROWS  # a smaller corpus is all cached, or nothing
+    if scale <= 0 or too_few:
+        raise SpecdistillError(f"budget_minutes={recipe.budget_minutes:g}: the stages' fixed costs alone take "
+                               f"{fixed / 60:.0f} min on this machine, leaving room for under {MIN_ROWS} rows; raise "
+                               "budget_minutes, or set budget_minutes=null to run the recipe's sizes")
+    return scale
+
+
+def sizes(recipe, scale: float, corpus_rows: int | None) -> dict:
+    """The recipe's rows and steps times the scale, with as many saves as the recipe makes and a warm-up of at
+    most a tenth of the steps."""
+    steps = max(1, round(recipe.train.max_steps * scale))
+    saves = math.ceil(recipe.train.max_steps / recipe.train.save_every)
+    available = rows_to_cache(recipe, corpus_rows)
+    return {"corpus.max_rows": max(min(MIN_ROWS, available), int(available * scale)), "train.max_steps": steps,
+            "train.save_every": max(1, math.ceil(steps / saves)),
+            "train.warmup_steps": min(recipe.train.warmup_steps, max(1, steps // 10))}
+
+
+def run(recipe, args) -> dict | None:
+    plan_file = layout.plan_path(recipe.run_dir)
+    if recipe.budget_minutes is None:
+        print("plan: budget_minutes is null: the recipe's sizes run as written")
+        return None
+    t0 = time.time()
+    plan_file.unlink(missing_ok=True)  # a stale plan must not size this one's probe
+    device = devices.resolve(recipe.device)
+    moves = fp32_overrides(recipe, device)
+    overrides = [*getattr(args, "overrides", []), *moves]
+    planned = load_recipe(recipe.source, overrides)
+    print(f"plan: probing this machine ({devices.cpu_isa() if device.type == 'cpu' else device}) at {PROBE_ROWS} "
+          f"rows and {PROBE_STEPS} steps" + (f"; no native bf16 here, so {', '.join(moves)}" if moves else ""))
+    m = probe(planned, overrides)
+    spent = time.time() - t0
+    scale = fit(planned, m, recipe.budget_minutes * 60, spent)
+    stages = {"plan": spent, **estimate(planned, m, scale)}
+    plan = {"for": plan_key(recipe), "budget_minutes": recipe.budget_minutes,
+            "machine": devices.cpu_isa() if device.type == "cpu" else str(device),
+            "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "scale": round(scale, 4),
+            "overrides": [*moves, *(f"{k}={v}" for k, v in sizes(planned, scale, m["corpus_rows"]).items())],
+            "estimate_s": {k: round(v, 1) for k, v in stages.items()},
+            "total_s": round(sum(stages.values()), 1), "measured": m}
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps(plan, indent=1) + "\n")
+    print(format_plan(plan, recipe))
+    return plan

@@ -1,0 +1,85 @@
+"""`specdistill plan` (specdistill/plan_stage.py): the estimate from measured rates, the fit to a budget, the plan
+applied by every stage of the run, and the probe itself on a tiny target."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdistill import layout
+from specdistill.cli import main
+from specdistill.errors import SpecdistillError
+from specdistill.plan import time_left
+from specdistill.plan_stage import estimate, fit, sizes
+from specdistill.recipe import load_recipe, plan_key
+from tests.test_other_targets import TOY, write_recipe
+
+DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
+# Rates as a probe measures them: 100 tokens a row, 100 tokens/s cached, 2 s a step of 2,000 tokens, 0.5 s a token
+# decoded over 3 probe prompts.
+RATES = {"prepare_s": 10.0, "cache_fixed_s": 20.0, "corpus_rows": None, "cache_tokens": 9600, "cache_rows": 96, "cache_tokens_per_s": 100.0,
+         "train_fixed_s": 60.0, "train_step_s": 2.0, "train_tokens_per_step": 2000.0, "eval_fixed_s": 30.0,
+         "eval_per_token_s": 0.5, "eval_prompts": 3, "plain_tokens_per_s": 10.0, "export_s": 5.0, "report_s": 5.0}
+
+
+def default_recipe(tmp_path, *overrides):
+    return load_recipe(DEFAULT, [f"output_dir={tmp_path}", "served.enabled=false", *overrides])
+
+
+def test_the_estimate_adds_each_stage_fixed_cost_and_rate(tmp_path):
+    est = estimate(default_recipe(tmp_path), RATES, 1.0)  # 8,000 rows, 672 steps, 6 saves, 16 + 8 prompts of 64
+    assert est == {"prepare": 10.0, "cache": 20.0 + 8000 * 100 / 100,
+                   "train": 60.0 + 672 * 2.0 + 6 * (8000 * 0.05 * 100 / 2000 * 2.0 / 3),
+                   "eval": 30.0 + 0.5 * 64 * 24 / 3, "export": 5.0, "served": 0.0, "report": 5.0}
+    served = estimate(default_recipe(tmp_path, "served.enabled=true"), RATES, 1.0)["served"]
+    assert served == pytest.approx(4 * (105.0 + 2 * 16 * 64 / 20.0))  # plain, the export, ngram, suffix
+
+
+def test_the_fit_fills_the_budget_and_never_grows_the_recipe(tmp_path):
+    recipe = default_recipe(tmp_path)
+    scale = fit(recipe, RATES, 3600.0, spent_s=120.0)
+    assert sum(estimate(recipe, RATES, scale).values()) + 120.0 == pytest.approx(3600.0)
+    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2626, "train.max_steps": 221, "train.save_every": 37,
+                                    "train.warmup_steps": 22}
+    assert scale == pytest.approx((3600 - 120 - 386) / 9424)  # fixed: every stage at 0 rows, the eval included
+    assert fit(recipe, RATES, 10 ** 6, spent_s=0.0) == 1.0
+    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 6 min"):
+        fit(recipe, RATES, 400.0, spent_s=0.0)
+
+
+def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
+    recipe = default_recipe(tmp_path)
+    plan = layout.plan_path(recipe.run_dir)
+    plan.parent.mkdir(parents=True)
+    plan.write_text(json.dumps({"for": plan_key(recipe), "overrides": ["corpus.max_rows=2702", "train.max_steps=227",
+                                                                      "target.dtype=float32"],
+                                "estimate_s": {"plan": 60, "prepare": 60, "cache": 600, "train": 1200}}))
+    planned = default_recipe(tmp_path)
+    assert (planned.corpus.max_rows, planned.train.max_steps, planned.target.dtype) == (2702, 227, "float32")
+    assert planned.run_name == recipe.run_name and planned.source == DEFAULT
+    assert default_recipe(tmp_path, "budget_minutes=null").corpus.max_rows == 8000  # no budget: the plan is ignored
+    with pytest.raises(SpecdistillError, match=f"{plan}: made for .*'max_rows': 8000.* now says .*'max_rows': 100"):
+        default_recipe(tmp_path, "corpus.max_rows=100")
+    assert time_left(planned, "prepare", 90.0) == "plan: prepare took 1.5 min (planned 1.0); about 30 min of the run left"
+    plan.write_text("{")
+    with pytest.raises(SpecdistillError, match=f"{plan}: not a plan written by `specdistill plan`"):
+        default_recipe(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_target_dir, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CHECKPOINTS", str(tmp_path / "runs"))
+    recipe_file = write_recipe(tmp_path, tiny_target_dir, "eagle")
+    toy = [*TOY, "train.num_gpus=1", "train.max_steps=2000", "train.save_every=1000",
+           "served.enabled=false"]  # the probe takes under a minute here; 2,000 steps do not fit in the 3 minutes
+    assert main(["plan", "--recipe", str(recipe_file), *toy, "budget_minutes=3"]) == 0
+    run_dir = tmp_path / "runs" / "eagle"
+    plan = json.loads(layout.plan_path(run_dir).read_text())
+    m = plan["measured"]
+    assert m["cache_tokens"] > 0 and m["train_step_s"] > 0 and m["eval_fixed_s"] > 0 and m["plain_tokens_per_s"] > 0
+    assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(180.0, abs=1.0)
+    planned = load_recipe(recipe_file, [*toy, "budget_minutes=3"])
+    assert planned.train.max_steps == round(2000 * plan["scale"]) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
+
+    assert plan["measured"]["corpus_rows"] == plan["measured"]["cache_rows"] == 24
+    assert not (tmp_path / "runs" / "eagle-plan-probe").exists()  # the probe's scratch run is gone
