@@ -67,7 +67,8 @@ def probe(recipe, overrides: list[str]) -> dict:
     small = [*overrides, f"run_name={name}", "budget_minutes=null", f"corpus.max_rows={PROBE_ROWS}",
              f"train.max_steps={PROBE_STEPS}", f"train.save_every={PROBE_STEPS}", "train.warmup_steps=1",
              "eval.checkpoints=last", f"eval.num_prompts={min(2, recipe.eval.num_prompts)}",
-             f"eval.tuning_prompts={min(1, recipe.eval.tuning_prompts)}"]
+             f"eval.tuning_prompts={min(1, recipe.eval.tuning_prompts)}",
+             f"cache.dir={probe_run / 'cache-store'}"]  # a cache of its own: a shared one found would time nothing
     m = {}
     m["prepare_s"], prepared = timed("prepare", recipe.source, small)
     m["cache_rows"] = prepared["rows_read"]  # skipped rows included: max_rows counts rows read
@@ -75,6 +76,7 @@ def probe(recipe, overrides: list[str]) -> dict:
     m["cache_s"], manifest = timed("cache", recipe.source, small)
     done = manifest.get("_run") or {}
     m["cache_tokens"] = sum(manifest["splits"][s]["tokens"] for s in manifest["splits"])
+    m["cache_computed_tokens"] = done.get("computed_tokens", 0)
     m["cache_tokens_per_s"] = done.get("tokens_per_s") or m["cache_tokens"] / m["cache_s"]
     m["cache_fixed_s"] = max(0.0, m["cache_s"] - done.get("computed_tokens", 0) / m["cache_tokens_per_s"])
     m["train_s"], _ = timed("train", recipe.source, small)

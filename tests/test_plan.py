@@ -70,16 +70,18 @@ def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
 def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_CHECKPOINTS", str(tmp_path / "runs"))
     recipe_file = write_recipe(tmp_path, tiny_target_dir, "eagle")
-    toy = [*TOY, "train.num_gpus=1", "train.max_steps=2000", "train.save_every=1000",
-           "served.enabled=false"]  # the probe takes under a minute here; 2,000 steps do not fit in the 3 minutes
-    assert main(["plan", "--recipe", str(recipe_file), *toy, "budget_minutes=3"]) == 0
+    toy = [*TOY, "train.num_gpus=1", "train.max_steps=100000", "train.save_every=50000",
+           "served.enabled=false"]  # the probe takes a minute or two here; 100,000 steps do not fit in the 10 minutes
+    assert main(["plan", "--recipe", str(recipe_file), *toy, "budget_minutes=10"]) == 0
     run_dir = tmp_path / "runs" / "eagle"
     plan = json.loads(layout.plan_path(run_dir).read_text())
     m = plan["measured"]
     assert m["cache_tokens"] > 0 and m["train_step_s"] > 0 and m["eval_fixed_s"] > 0 and m["plain_tokens_per_s"] > 0
-    assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(180.0, abs=1.0)
-    planned = load_recipe(recipe_file, [*toy, "budget_minutes=3"])
-    assert planned.train.max_steps == round(2000 * plan["scale"]) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
+    assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(600.0, abs=1.0)
+    planned = load_recipe(recipe_file, [*toy, "budget_minutes=10"])
+    assert planned.train.max_steps == pytest.approx(100000 * plan["scale"], abs=6) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
 
     assert plan["measured"]["corpus_rows"] == plan["measured"]["cache_rows"] == 24
     assert not (tmp_path / "runs" / "eagle-plan-probe").exists()  # the probe's scratch run is gone
+    # the probe computed its cache in a store of its own: a shared cache it found (or left behind) would time nothing
+    assert m["cache_computed_tokens"] == m["cache_tokens"] and not any((tmp_path / "runs").glob("shared-cache/*/"))
