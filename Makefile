@@ -62,7 +62,7 @@ faults: setup
 bench: setup
 	$(PY) -m benchmarks.run $(ARGS)
 
-# The pipeline and an 8B-shaped target on a device (benchmarks/gpu_check.py, README "GPU check"). DEVICE=cpu is
+# The pipeline and an 8B-shaped target on a device (benchmarks/gpu_check.py, docs/GPU.md "GPU check"). DEVICE=cpu is
 # its dry run (the 8B shape scaled down); STRICT=0 turns the strict-device mode off. On a machine without
 # network, PY=python3 skips `setup` (the wheels come from .whl/, benchmarks/gpu_wheels.sh).
 DEVICE ?= cuda

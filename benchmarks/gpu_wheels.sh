@@ -3,7 +3,7 @@
 # there; DeepSpeed, datasets and pydantic not): wheels for CPython 3.12 / manylinux x86-64, and the default
 # target's tokenizer files, into the ignored folder .whl/ (at most 64 MiB: it travels with the tree).
 #   bash benchmarks/gpu_wheels.sh            # run here, where pip reaches PyPI
-# On the GPU machine (README, "GPU check"):
+# On the GPU machine (docs/GPU.md, "GPU check"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site
 set -euo pipefail

@@ -59,7 +59,7 @@ class DecodeResult:
 
 
 def merge_counts(results: list[DecodeResult]) -> dict:
-    """Pool several decodes: tau, alpha, alpha_at and the time split, as defined in metrics.md."""
+    """Pool several decodes: tau, alpha, alpha_at and the time split, as defined in docs/METRICS.md."""
     depth = max((len(r.drafted) for r in results), default=0)
     tested = [sum(r.tested[i] for r in results if i < len(r.tested)) for i in range(depth)]
     accepted = [sum(r.accepted[i] for r in results if i < len(r.accepted)) for i in range(depth)]

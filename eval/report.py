@@ -1,6 +1,6 @@
 """The `report` stage: report.md + PNG plots + TensorBoard scalars from checkpoints/<run>/eval/*.json.
 
-What it shows (definitions: ../shared/docs/metrics.md):
+What it shows (definitions: docs/METRICS.md):
   - one row per checkpoint: offline fkl / tvd / predicted α / top-1 (held-out and eval prompts) next to
     the measured α, τ, speedup and lossless flag per temperature;
   - measured α against what should predict it: predicted α = 1 − E[tvd] for T > 0, top-1 for T = 0

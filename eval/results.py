@@ -71,7 +71,7 @@ def temperatures(evals: list[dict]) -> list[float]:
 
 def heldout_simulated_tau(e: dict, temperature: float, k: int | None = None):
     """The held-out simulated tau at the eval's K: at T=0 the replayed chain (`chain_tau`) where training
-    measured it at that K; else the product formula (metrics.md) of the per-depth acceptance training measured
+    measured it at that K; else the product formula (docs/METRICS.md) of the per-depth acceptance training measured
     (T=0: top1_at, T>0: alpha_at; depths past the unrolled ones repeat the deepest). None when not measured."""
     held = (e.get("offline") or {}).get("heldout") or {}
     chain = (held.get("chain_tau") or {}).get("0")

@@ -134,7 +134,7 @@ def last_error(log: Path) -> str:
 # ---------------------------------------------------------------------------------------------- numbers
 
 def served_counts(prompts: list[dict]) -> dict:
-    """Pooled over prompts, in metrics.md's definitions. tau = 1 + accepted / drafting steps: our engine's
+    """Pooled over prompts, in docs/METRICS.md's definitions. tau = 1 + accepted / drafting steps: our engine's
     tokens / steps is exactly that (each step commits 1 + its accepted drafts), while vLLM's prefill commits a
     first token without drafting, so its tokens / drafts would count one free token per prompt.
     alpha_at[i] = accepted at depth i / drafts that reached depth i (accepted at depth i-1)."""

@@ -1,6 +1,6 @@
 """`python -m experiments.run NAME`: run an experiment as pinned in experiments/NAME.yaml and write its record,
 experiments/records/NAME.json: the settings (each arm's full recipe), fingerprints, hardware, code version,
-results and the table the README renders (`python -m experiments.render`).
+results and the table experiments/README.md renders (`python -m experiments.render`).
 
 Runners: `exactness` (the eval's own batch-invariance check, eval/exactness.py, on the real target in each
 arm's runtime: a minute on 2 cores) renders its table itself. `pipeline` (the stages of `make distill`

@@ -26,7 +26,7 @@ class Experiment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     title: str
-    readme_section: str  # the README section holding the table (its marker: <!-- experiment: NAME -->)
+    readme_section: str  # the experiments/README.md section holding the table (its marker: <!-- experiment: NAME -->)
     command: str  # what reproduces the table, as a user types it
     runner: Literal["pipeline", "bench", "exactness"]
     bench: Literal["decode", "runtime", "scaling", "peer"] | None = None  # runner bench: the `make bench` entry, on the pinned recipe

@@ -1,4 +1,4 @@
-"""The metrics every stage computes the same way (definitions: /work/shared/docs/metrics.md).
+"""The metrics every stage computes the same way (definitions: docs/METRICS.md).
 
 Divergences between the target's p and the draft's q in log space (fkl = KL(p||q), rkl = KL(q||p),
 jsd = beta KL(p||m) + (1-beta) KL(q||m) with m = beta p + (1-beta) q, tvd = 1/2 sum |p - q|
@@ -61,7 +61,7 @@ def top1_match(p: torch.Tensor, q: torch.Tensor, q_ids: torch.Tensor | None = No
 
 
 def predicted_alpha(mean_tvd: float) -> float:
-    """The first draft's expected acceptance at T=1 predicted offline: 1 - E[tvd] (metrics.md)."""
+    """The first draft's expected acceptance at T=1 predicted offline: 1 - E[tvd] (docs/METRICS.md)."""
     return 1.0 - mean_tvd
 
 
@@ -97,7 +97,7 @@ def leviathan_tau(alpha: float, k: int) -> float:
 
 
 def simulated_tau(alpha_at: list[float], k: int | None = None) -> float:
-    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (metrics.md); depths past the measured ones repeat the last one.
+    """1 + sum_{j=1..K} prod_{i<=j} alpha_i (docs/METRICS.md); depths past the measured ones repeat the last one.
     Fed with rates taken unconditionally along teacher-forced text it is optimistic; the chain replayed as
     decoding drafts it is eval/chain_tau.py."""
     k = len(alpha_at) if k is None else k

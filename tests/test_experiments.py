@@ -1,5 +1,6 @@
-"""Published numbers: every README table is rendered from an experiment record, every experiment file pins a
-complete, valid recipe, and each record says how it was made."""
+"""Published numbers: every table of README.md and experiments/README.md is rendered from an experiment record,
+every record has its table in experiments/README.md, every experiment file pins a complete, valid recipe, and
+each record says how it was made."""
 from __future__ import annotations
 
 import json
@@ -23,16 +24,40 @@ def test_experiment_file_validates_and_matches_its_record(name):
 
 
 def test_every_readme_table_is_its_records():
-    assert render.problems(render.README.read_text()) == []
+    assert render.problems() == []
     assert {p.stem for p in schema.RECORDS.glob("*.json")} == set(schema.names())
 
 
-def test_a_hand_edited_readme_number_is_caught():
-    text = render.README.read_text()
-    edited = text.replace("| **420** | 1.57M | 0.360 |", "| **420** | 1.57M | 0.361 |", 1)
+def first_rendered_row(text: str) -> tuple[str, str]:
+    """The first block of a document and the first data row of its table (under the header and the rule)."""
+    block = next(render.BLOCK.finditer(text))
+    return block["name"], block["body"].splitlines()[2]
+
+
+@pytest.mark.parametrize("document", ["README.md", "experiments/README.md"])
+def test_a_hand_edited_table_number_is_caught(document):
+    """A row of any rendered table, edited by hand, is named with the record it differs from (in either file)."""
+    readme, experiments_readme = render.README.read_text(), render.EXPERIMENTS_README.read_text()
+    text = readme if document == "README.md" else experiments_readme
+    name, row = first_rendered_row(text)
+    edited_row = row[:-len(" |")] + " (edited by hand) |"
+    edited = text.replace(row, edited_row, 1)
     assert edited != text
-    (problem,) = render.problems(edited)
-    assert "default-run-steps" in problem and "0.361" in problem
+    args = (edited, experiments_readme) if document == "README.md" else (readme, edited)
+    (problem,) = render.problems(*args)
+    assert problem.startswith(f"{document} table {name} differs") and "(edited by hand)" in problem
+
+
+def test_a_record_without_a_table_in_experiments_readme_is_caught():
+    """Every record has its table in experiments/README.md; the headline in README.md does not count for it."""
+    experiments_readme = render.EXPERIMENTS_README.read_text()
+    block = next(render.BLOCK.finditer(experiments_readme))
+    name = block["name"]
+    readme_with_it = f"{render.README.read_text()}\n{block[0]}"
+    assert render.problems(readme_with_it, experiments_readme) == []
+    (problem,) = render.problems(readme_with_it, experiments_readme.replace(block[0], "", 1))
+    assert problem == (f"experiments/records/{name}.json has no table in experiments/README.md "
+                       f"(<!-- experiment: {name} -->)")
 
 
 def test_an_unpinned_or_unknown_key_is_caught(tmp_path, monkeypatch):

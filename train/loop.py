@@ -116,7 +116,7 @@ def release_freed_host_memory() -> bool:
 
     Why: on the CPU every micro batch has its own sequence length, so glibc's heap fragments and a rank's resident
     memory grew ~30 MB a step, never given back: a 12,000-row run was OOM-killed at step ~825 of 1,008 (rank 0 at
-    11.8 GB). Trimming every RELEASE_EVERY steps bounds it (README "Stages in more detail", train)."""
+    11.8 GB). Trimming every RELEASE_EVERY steps bounds it (docs/STAGES.md "Stages in more detail", train)."""
     malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's where linked
     if malloc_trim is None:
         return False

@@ -1,4 +1,4 @@
-"""Offline metrics on the held-out cache split (definitions: /work/shared/docs/metrics.md), at T=1.
+"""Offline metrics on the held-out cache split (definitions: docs/METRICS.md), at T=1.
 
 fkl = KL(p||q), tvd, predicted_alpha = 1 - tvd, top1 = P(argmax q = argmax p), each averaged over
 counted positions: first-draft, teacher-forced quantities (they predict alpha_at[0], not pooled alpha).
