@@ -10,7 +10,7 @@ from specdistill import layout
 from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.plan import time_left
-from specdistill.plan_stage import estimate, fit, sizes
+from specdistill.plan_stage import AIM, estimate, fit, sizes
 from specdistill.recipe import load_recipe, plan_key
 from tests.test_other_targets import TOY, write_recipe
 
@@ -77,7 +77,7 @@ def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_targe
     plan = json.loads(layout.plan_path(run_dir).read_text())
     m = plan["measured"]
     assert m["cache_tokens"] > 0 and m["train_step_s"] > 0 and m["eval_fixed_s"] > 0 and m["plain_tokens_per_s"] > 0
-    assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(600.0, abs=1.0)
+    assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(600.0 * AIM, abs=1.0)
     planned = load_recipe(recipe_file, [*toy, "budget_minutes=10"])
     assert planned.train.max_steps == pytest.approx(100000 * plan["scale"], abs=6) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
 
