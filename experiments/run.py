@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import torch
 from benchmarks.run import BENCHES, run_stage
 from experiments import tables
 from experiments.schema import RECORDS, load, pinned_recipe
-from specdistill import device, provenance
+from specdistill import device, layout, provenance
 from specdistill.formats import read_jsonl
 from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
@@ -68,18 +69,48 @@ def run_stages(recipe_path: str, stages) -> dict:
     return {stage: run_stage(stage, recipe_path) for stage in stages}
 
 
+def run_results(run_dir: Path, seconds: dict) -> dict:
+    """What a pipeline arm keeps: the stages' seconds, training tokens/s, the plan, every eval and served JSON."""
+    steps = read_jsonl(run_dir / "train_log.jsonl")
+    plan = layout.plan_path(run_dir)
+    # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
+    return {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
+            "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
+            "plan": json.loads(plan.read_text()) if plan.is_file() else None,
+            "eval": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("*.json"))},
+            "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))}}
+
+
 def run_pipeline(exp) -> tuple[dict, list[list] | None]:
     results = {}
     for arm in exp.arms:
         recipe = pinned_recipe(exp, arm)
-        seconds = run_stages(pinned_file(recipe), PIPELINE_STAGES)
-        steps = read_jsonl(recipe.run_dir / "train_log.jsonl")
-        # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
-        results[arm] = {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
-                        "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
-                        "eval": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "eval").glob("*.json"))},
-                        "served": {p.name: json.loads(p.read_text()) for p in sorted((recipe.run_dir / "served").glob("*.json"))}}
+        results[arm] = run_results(recipe.run_dir, run_stages(pinned_file(recipe), PIPELINE_STAGES))
     return results, tables.ROWS[exp.name](results) if exp.name in tables.ROWS else None
+
+
+TOOK = re.compile(r"^plan: (\w+) took ([\d.]+) min", re.M)  # specdistill.plan.time_left's line after each stage
+
+
+def from_run(name: str, run_dir: Path, log: Path) -> Path:
+    """Record a one-arm pipeline experiment from a run `make distill` made (in a fresh clone, say: `run_dir` is
+    <clone>/checkpoints/<run_name>), its stage times read from the make log's time-left lines (0.1 min)."""
+    exp = load(name)
+    recipe = pinned_recipe(exp, "main")
+    clone = run_dir.resolve().parent.parent
+    seconds = {stage: round(float(m) * 60, 1) for stage, m in TOOK.findall(log.read_text())}
+    if set(seconds) != set(PIPELINE_STAGES):
+        raise SystemExit(f"{log}: time-left lines for {sorted(seconds)}, expected every stage of {PIPELINE_STAGES}")
+    results = {"main": run_results(run_dir, seconds)}
+    made = provenance.git_commit(root=clone)
+    record = {"experiment": name, "title": exp.title, "command": exp.command,
+              "provenance": f"transcribed from `make distill` in a fresh clone of {made} ({run_dir.name}), "
+                            f"{time.strftime('%Y-%m-%d', time.gmtime(log.stat().st_mtime))}",
+              "settings": {"main": recipe_dump(recipe)}, "fingerprints": {"decode_code": provenance.code_fingerprint(root=clone)},
+              "hardware": device.hardware(torch.device("cpu")), "code_version": made,
+              "seconds": round(sum(seconds.values()), 1), "results": results,
+              "table": {"columns": exp.columns, "rows": tables.ROWS[name](results)}}
+    return write_record(RECORDS / f"{name}.json", record)
 
 
 def run_bench(exp) -> tuple[dict, list[list] | None]:
@@ -135,4 +166,7 @@ def retable(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    retable(sys.argv[1]) if sys.argv[2:] == ["--table"] else main(sys.argv[1])
+    if sys.argv[2:3] == ["--from-run"]:  # NAME --from-run RUN_DIR MAKE_LOG
+        from_run(sys.argv[1], Path(sys.argv[3]), Path(sys.argv[4]))
+    else:
+        retable(sys.argv[1]) if sys.argv[2:] == ["--table"] else main(sys.argv[1])

@@ -15,24 +15,24 @@ DECODE_CODE = ("eval/engine.py", "eval/sampling.py", "eval/runtime.py", "eval/tr
                "specdistill/kinds", "specdistill/target.py")
 
 
-def git_commit() -> str | None:
-    """HEAD of the checkout, with '-dirty' when tracked files differ from it; None outside a git checkout."""
+def git_commit(root=REPO_ROOT) -> str | None:
+    """HEAD of the checkout at `root`, with '-dirty' when tracked files differ from it; None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("-dirty" if dirty else "")
 
 
-def code_fingerprint(paths=DECODE_CODE) -> str:
-    """sha256 (12 hex) over the contents of the .py files under `paths` (relative to the repository root)."""
+def code_fingerprint(paths=DECODE_CODE, root=REPO_ROOT) -> str:
+    """sha256 (12 hex) over the contents of the .py files under `paths` (relative to the checkout at `root`)."""
     h = hashlib.sha256()
     for rel in paths:
-        p = REPO_ROOT / rel
+        p = root / rel
         for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
             if f.is_file():
-                h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:12]
