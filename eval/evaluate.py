@@ -3,7 +3,8 @@
 Per checkpoint and temperature, every prompt is decoded by plain AR (our baseline, same engine), then
 speculatively at K = eval.k and each extra K of eval.k_sweep, then (T=0 only) by the transformers
 comparators: interleaved per prompt so machine noise hits all of them alike. Writes
-checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_checkpoint`).
+checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_result: an eval on other prompts or
+in another runtime writes its own file; format in the module's `evaluate_checkpoint`).
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                         draft_kind: str, heldout: dict | None, with_comparators: bool = True,
                         reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
                         runtime=None, reference_model=None, reference_skipped: str | None = None) -> dict:
-    """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
+    """Everything measured for one draft; the dict written to eval/<checkpoint>.<prompt set>.<runtime>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
@@ -386,7 +387,7 @@ def run(recipe, args) -> list[Path]:
                                      fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
-        out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
+        out = layout.eval_result(recipe.run_dir, step_dir.name, recipe.eval, name)  # never another prompt set's
         write_eval(out, report)
         for r in report["results"]:
             print(summary_line(report, r), flush=True)

@@ -1,4 +1,5 @@
-"""The `report` stage: report.md + PNG plots + TensorBoard scalars from checkpoints/<run>/eval/*.json.
+"""The `report` stage: report.md + PNG plots + TensorBoard scalars from the eval results the recipe names
+(checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json, layout.eval_result).
 
 What it shows (definitions: ../shared/docs/metrics.md):
   - one row per checkpoint: offline fkl / tvd / predicted α / top-1 (held-out and eval prompts) next to
@@ -24,7 +25,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval.plots import (plot_alpha_vs_fkl, plot_alpha_vs_predicted, plot_comparators, plot_tau_vs_k,
                                     plot_tau_vs_tokens, plot_time_split)
 from specdistill.eval.results import (check_freshness, eval_settings, heldout_simulated_tau, load_evals, offline,
-                                      result_at, run_key, temperatures)
+                                      recipe_runtime, result_at, run_key, temperatures)
 from specdistill.eval.served_tables import served_summary
 from specdistill.eval.scaling import scaling_fits, scaling_points, scaling_section, scaling_summary
 from specdistill.eval.tables import (DASH, category_table, chain_vs_tree_table, checkpoint_table, ci, comparator_table,
@@ -111,11 +112,12 @@ def run(recipe, args) -> None:
     for name in names:
         if not (root / name).is_dir():
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
-    runs = {name: load_evals(root / name) for name in names}
+    runtime = recipe_runtime(recipe)  # every run's results on the recipe's prompt set in its runtime
+    runs = {name: load_evals(root / name, recipe.eval, runtime) for name in names}
     for name in names:  # the recipe's own eval settings apply to its own run only
         own = name == recipe.run_name
         check_freshness(runs[name], root / name, eval_settings(recipe) if own else None,
-                        run_key(recipe) if own else None)
+                        run_key(recipe, runtime) if own else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"
@@ -212,7 +214,7 @@ def stale_section(evals: list[dict]) -> str:
 def render(runs, evals, many, best, headline, footer, command, figures, scaling: str = "", served: str = "") -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
-    reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.json\n{command}"
+    reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json\n{command}"
     return f"""# specdistill report: {', '.join(runs)}
 
 **{headline}**
