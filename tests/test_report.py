@@ -140,7 +140,7 @@ def test_single_run_report(recipe, capsys):
     assert f"report: {run_dir / 'report.md'}" in out
     assert ("headline checkpoint: runA/step-0000400 (rule: last checkpoint (not the best measured speedup: picking "
             "the maximum of noisy numbers biases it upward)), T=0.0: τ 2.240 [2.040, 2.440], α 0.620 [0.570, 0.670], "
-            "speedup 1.48x [1.38, 1.58] (95% bootstrap over prompts), lossless yes") in out
+            "speedup 1.48x [1.38, 1.58] (95% bootstrap over prompts) over our own plain decoding, lossless yes") in out
     events = list(layout.tb_dir(run_dir).glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
 
