@@ -2,6 +2,9 @@
 (checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json, layout.eval_result).
 
 What it shows (definitions: ../shared/docs/metrics.md):
+  - lines 2-5, the honest answer first (`head`): the speedup over the fastest plain decoding timed in the same run
+    (named, with its 95% interval; "not timed" where only ours was) with prompt lookup beside it, lossless or not
+    per method (chain, tree, prompt lookup), the held-out simulated τ against the measured τ, then the headline;
   - one row per checkpoint: offline fkl / tvd / predicted α / top-1 (held-out and eval prompts) next to
     the measured α, τ, speedup and lossless flag per temperature;
   - measured α against what should predict it: predicted α = 1 − E[tvd] for T > 0, top-1 for T = 0
@@ -321,7 +324,9 @@ Reproduce:
 {stale_section(evals)}## Checkpoints: offline prediction vs measured decoding
 Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
 speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
-same target measured in the same run; lossless = token-identical to our own plain greedy decoding and
+same target measured in the same run; speedup vs fastest plain = over the fastest of our plain decoding and the plain
+comparators (`hf_generate`, `plain_static-fp32`) timed for that checkpoint and temperature, `not timed` where only
+ours was (they run at T=0, with the last checkpoint); lossless = token-identical to our own plain greedy decoding and
 ("vs generate()") to transformers' greedy `generate()` (T=0), or a passed distribution test (T>0).
 Compare like with like: the offline top-1 and predicted α are teacher-forced *first-draft* numbers, so
 they predict α₁ (the measured acceptance at depth 1, `alpha_at[0]`), not the pooled α; pooled α and τ
@@ -356,7 +361,9 @@ offline prediction of τ (depths past the unrolled ones repeat the deepest one's
 *{footer}*
 
 ## Comparators on the same prompts
-Speedups over our own plain autoregressive baseline of the same run (tokens/s in brackets).{notes(evals, "comparators_note")}
+Speedups over our own plain autoregressive baseline of the same run (tokens/s in brackets; `not lossless`: a
+speculative comparator whose output differed from transformers' own plain greedy `generate()` or from the float32
+reference).{notes(evals, "comparators_note")}
 
 {comparator_table(evals, many)}
 
