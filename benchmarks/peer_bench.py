@@ -51,7 +51,7 @@ from specdistill import layout
 from specdistill.cli import main as cli
 from specdistill.data.cache_reader import CacheDataset
 from specdistill.errors import SpecdistillError
-from specdistill.eval.results import result_at
+from specdistill.eval.results import result_at, result_path
 from specdistill.eval.tables import ci, num
 from specdistill.eval.tables import table as markdown_table
 from specdistill.formats import read_checkpoint, read_json, read_jsonl, read_metrics, write_json_atomic
@@ -262,7 +262,7 @@ def arm(recipe, train_s: float | None, step_s: list[float] | None) -> dict:
     step_dir = layout.checkpoints(recipe.run_dir)[-1]
     metrics = read_metrics(step_dir) or {}
     held = metrics.get("heldout") or {}
-    e = read_json(layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json")
+    e = read_json(result_path(recipe, step_dir.name))
     t0 = result_at(e, 0.0)
     if step_s is None:  # ours: the training log's steps
         log = read_jsonl(recipe.run_dir / "train_log.jsonl")

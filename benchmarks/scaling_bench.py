@@ -23,7 +23,7 @@ import sys
 from benchmarks.run import run_stage
 from specdistill import layout
 from specdistill.eval.plots import plot_tau_vs_tokens
-from specdistill.eval.results import result_at
+from specdistill.eval.results import result_at, result_path
 from specdistill.eval.scaling import fit_text, scaling_fits
 from specdistill.eval.tables import num
 from specdistill.eval.tables import table as markdown_table
@@ -49,7 +49,7 @@ def point(recipe_path: str, overrides: list[str]) -> dict:
     recipe = load_recipe(recipe_path, overrides)
     step_dir = layout.checkpoints(recipe.run_dir)[-1]
     held = (read_metrics(step_dir) or {}).get("heldout") or {}
-    e = read_json(layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json")
+    e = read_json(result_path(recipe, step_dir.name))
     return {"run": "scaling", "checkpoint": recipe.run_name, "step": layout.step_of(step_dir),
             "tokens_seen": (read_metrics(step_dir) or {}).get("tokens_seen"), "k": recipe.eval.k,
             "heldout_top1": (held.get("top1_at") or [None])[0],

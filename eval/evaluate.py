@@ -3,7 +3,8 @@
 Per checkpoint and temperature, every prompt is decoded by plain AR (our baseline, same engine), then
 speculatively at K = eval.k and each extra K of eval.k_sweep, then (T=0 only) by the transformers
 comparators: interleaved per prompt so machine noise hits all of them alike. Writes
-checkpoints/<run>/eval/<checkpoint>.json (format in the module's `evaluate_checkpoint`).
+checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_result: an eval on other prompts or
+in another runtime writes its own file; format in the module's `evaluate_checkpoint`).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompt
 from specdistill.eval.prompts import load_prompts, load_tuning_prompts
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
-from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
-from specdistill.eval.tables import summary_line
+from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, ratio_ci95, spec_timed, speedup_over,
+                                      summarise_temperature, summarise_tree, timed_per_prompt)
+from specdistill.eval.tables import summary_line, tree_label, tree_lossless, vs_fastest_cell
 from specdistill.eval.tree import TreeDecoder
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.plan import applied_plan
@@ -61,6 +63,8 @@ class Decoders:
 
 
 FP32_PLAIN = "plain_static-fp32"  # its comparator name
+PLAIN_DECODERS = ("hf_generate", FP32_PLAIN)  # the comparators that decode plainly (no drafts): candidates for the fastest
+SPECULATIVE_COMPARATORS = ("hf_prompt_lookup", "hf_assisted")  # judged lossless against hf_generate's own tokens
 
 
 def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
@@ -72,7 +76,7 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
     fp32_plain = decoders.fp32_plain if comparator_names and temperature == 0 else None
-    comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": []}
+    comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "per_prompt": []}
             for name in [*comparator_names, *([FP32_PLAIN] if fp32_plain is not None else [])]}
     dev = decoders.target.device
 
@@ -103,6 +107,7 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
             comp[name]["outputs"].append(tokens)
+            comp[name]["per_prompt"].append((len(tokens), seconds))
     return base_runs, spec_runs, comp, tree_runs
 
 
@@ -124,6 +129,31 @@ def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
             top = logits[-1].float().topk(2).values
             found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
     return found
+
+
+def fastest_plain(result: dict, comp_report: dict) -> list[dict]:
+    """The fastest plain decoding timed for this checkpoint at this temperature (ours, and the plain comparators
+    where they ran) and the speedup over it, with its 95% interval over prompts (the same resamples as the
+    speedup's); the tree's too. `plain_timed` names every plain decoder timed: ours alone means no comparison
+    was made, and the report says "not timed". Returns the fastest's per-prompt [{tokens, seconds}]."""
+    plain = {"ours": (result["baseline_tokens_per_s"], baseline_timed(result["per_prompt"]))}
+    plain.update({name: (c["tokens_per_s"], c["per_prompt"]) for name, c in comp_report.items() if name in PLAIN_DECODERS})
+    fastest = max(plain, key=lambda name: plain[name][0])
+    result["plain_timed"] = list(plain)
+    result["fastest_plain"] = fastest
+    tps, per = plain[fastest]
+    result["fastest_plain_tokens_per_s"] = tps
+    vs_fastest(result, spec_timed(result["per_prompt"]), tps, per)
+    if "tree" in result:
+        vs_fastest(result["tree"], spec_timed(result["tree"]["per_prompt"]), tps, per)
+    return per
+
+
+def vs_fastest(entry: dict, timed: list[dict], fastest_tps: float, fastest_timed: list[dict]) -> None:
+    """entry's speedup over the fastest plain decoding and its 95% interval (timed, fastest_timed: the two
+    decoders' per-prompt [{tokens, seconds}] on the same prompts)."""
+    entry["speedup_vs_fastest_plain"] = entry["tokens_per_s"] / fastest_tps if fastest_tps else 0.0
+    entry["speedup_vs_fastest_plain_ci95"] = ratio_ci95(timed, fastest_timed)
 
 
 def tune_k(decoders: Decoders, tuning, reported: int, eval_cfg, temperature, label="") -> dict:
@@ -207,7 +237,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
                         draft_kind: str, heldout: dict | None, with_comparators: bool = True,
                         reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
                         runtime=None, reference_model=None, reference_skipped: str | None = None) -> dict:
-    """Everything measured for one draft; the dict written to eval/<checkpoint>.json.
+    """Everything measured for one draft; the dict written to eval/<checkpoint>.<prompt set>.<runtime>.json.
 
     Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
     the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
@@ -242,7 +272,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
               f"forward: {exact['checks']}); T=0 decodes may diverge from plain decoding", flush=True)
     costs = measure_costs(runtime, prompts, cfg, tree)
     tuning = load_tuning_prompts(cfg, tokenizer)
-    results, comp_report, greedy_outputs, sampled_outputs = [], {}, None, {}
+    results, comp_report, greedy_outputs, sampled_outputs, reference = [], {}, None, {}, None
     for temperature in recipe.temperatures:
         names = wanted if temperature == 0 else []
         base_runs, spec_runs, comp, tree_runs = evaluate_temperature(decoders, prompts, cfg, temperature, names,
@@ -286,13 +316,22 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
-                comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0}
-        plain = {"ours": result["baseline_tokens_per_s"]}
-        if temperature == 0:  # the plain comparators are timed at T=0 only
-            plain.update({name: c["tokens_per_s"] for name, c in comp_report.items() if name in ("hf_generate", FP32_PLAIN)})
-        fastest = max(plain, key=plain.get)
-        result["fastest_plain"] = fastest
-        result["speedup_vs_fastest_plain"] = result["tokens_per_s"] / plain[fastest] if plain[fastest] else 0.0
+                comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0,
+                                     "speedup_ci95": ratio_ci95(timed_per_prompt(c["per_prompt"]),
+                                                                baseline_timed(result["per_prompt"])),
+                                     "per_prompt": timed_per_prompt(c["per_prompt"])}
+                if name in SPECULATIVE_COMPARATORS:  # lossless as ours is: against its own plain decoding, and fp32
+                    plain_hf = comp.get("hf_generate")
+                    comp_report[name]["lossless"] = (c["outputs"] == plain_hf["outputs"]) if plain_hf else None
+                    comp_report[name]["lossless_vs_transformers"] = (
+                        [list(t) for t in c["outputs"]] == [list(t) for t in reference]
+                        if reference_model is not None and reference is not None else None)
+        fastest = fastest_plain(result, comp_report if temperature == 0 else {})  # plain comparators: T=0 only
+        if temperature == 0:
+            for name in SPECULATIVE_COMPARATORS:
+                if name in comp_report:
+                    vs_fastest(comp_report[name], comp_report[name]["per_prompt"], result["fastest_plain_tokens_per_s"],
+                               fastest)
     comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
                  f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
                  f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
@@ -386,17 +425,19 @@ def run(recipe, args) -> list[Path]:
                                      fingerprint=checkpoint_fingerprint(step_dir),
                                      runtime=runtime)
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
-        out = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
+        out = layout.eval_result(recipe.run_dir, step_dir.name, recipe.eval, name)  # never another prompt set's
         write_eval(out, report)
         for r in report["results"]:
             print(summary_line(report, r), flush=True)
             if "tree" in r:
                 t = r["tree"]
-                print(f"{report['checkpoint']} T=0 tree {t['shape']}: tau {t['tau']:.2f}  speedup {t['speedup']:.2f}x  "
-                      f"{t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
-                      f"lossless {'yes' if t['lossless'] else 'NO'}", flush=True)
+                lossless = "lossless yes" if tree_lossless(t) else "NOT lossless"
+                print(f"{report['checkpoint']} T=0 {tree_label(t['shape'], t)}: tau {t['tau']:.2f}  speedup "
+                      f"{t['speedup']:.2f}x  {t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
+                      f"{lossless}  over the fastest plain decoding: {vs_fastest_cell(report, r, t, unit='x')}", flush=True)
         for name, c in report["comparators"].items():
+            flag = ", NOT lossless" if c.get("lossless") is False or c.get("lossless_vs_transformers") is False else ""
             print(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
-                  f"speedup {c['speedup']:.2f}x vs our baseline", flush=True)
+                  f"speedup {c['speedup']:.2f}x vs our baseline{flag}", flush=True)
         written.append(out)
     return written

@@ -1,6 +1,10 @@
-"""The `report` stage: report.md + PNG plots + TensorBoard scalars from checkpoints/<run>/eval/*.json.
+"""The `report` stage: report.md + PNG plots + TensorBoard scalars from the eval results the recipe names
+(checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json, layout.eval_result).
 
 What it shows (definitions: docs/METRICS.md):
+  - lines 2-5, the honest answer first (`head`): the speedup over the fastest plain decoding timed in the same run
+    (named, with its 95% interval; "not timed" where only ours was) with prompt lookup beside it, lossless or not
+    per method (chain, tree, prompt lookup), the held-out simulated τ against the measured τ, then the headline;
   - one row per checkpoint: offline fkl / tvd / predicted α / top-1 (held-out and eval prompts) next to
     the measured α, τ, speedup and lossless flag per temperature;
   - measured α against what should predict it: predicted α = 1 − E[tvd] for T > 0, top-1 for T = 0
@@ -24,11 +28,13 @@ from specdistill.errors import SpecdistillError
 from specdistill.eval.plots import (plot_alpha_vs_fkl, plot_alpha_vs_predicted, plot_comparators, plot_tau_vs_k,
                                     plot_tau_vs_tokens, plot_time_split)
 from specdistill.eval.results import (check_freshness, eval_settings, heldout_simulated_tau, load_evals, offline,
-                                      result_at, run_key, temperatures)
+                                      recipe_runtime, result_at, run_key, temperatures)
 from specdistill.eval.served_tables import served_summary
 from specdistill.eval.scaling import scaling_fits, scaling_points, scaling_section, scaling_summary
-from specdistill.eval.tables import (DASH, category_table, chain_vs_tree_table, checkpoint_table, ci, comparator_table,
-                                     cost_table, coverage_section, label, methods_table, num, tau_k_table, time_table)
+from specdistill.eval.tables import (DASH, NOT_TIMED, category_table, chain_vs_tree_table, checkpoint_table, ci,
+                                     comparator_table, cost_table, coverage_section, fastest_was_timed, label,
+                                     methods_table, num, plain_text, plain_timed, runtime_text, tau_k_table,
+                                     time_table, tree_label, tree_lossless, vs_fastest_value)
 from specdistill.formats import read_json, write_text_atomic
 from specdistill.metrics import OFFLINE_KEYS
 
@@ -52,6 +58,92 @@ def best_checkpoint(evals: list[dict]) -> dict:
         best, rule = max(fresh, key=lambda e: (e["step"] is not None, e["step"] or 0)), "last"
     best["_headline_rule"] = rule
     return best
+
+
+def timed_with(best: dict, evals: list[dict], t: float) -> dict | None:
+    """The eval whose plain decoders besides ours were timed at T=t: the headline checkpoint's own where they were,
+    else the latest fresh one of the same run that timed them (comparators run with the last checkpoint only)."""
+    if fastest_was_timed(best, result_at(best, t)):
+        return best
+    same_run = [e for e in evals if e.get("_run") == best.get("_run") and fastest_was_timed(e, result_at(e, t))]
+    fresh = [e for e in same_run if not e.get("_stale")] or same_run
+    return max(fresh, key=lambda e: (e["step"] is not None, e["step"] or 0), default=None)
+
+
+def speedup_head(best: dict, evals: list[dict], t: float) -> str:
+    """Line 2: the speedup over the fastest plain decoding measured in the same run (named), its interval, and
+    prompt lookup over the same decoder; "not timed" where only our own plain decoding was timed."""
+    r = result_at(best, t)
+    where = f"{label(best, True)}, chain K={best.get('k')}, T={num(t, 1)}"
+    other = timed_with(best, evals, t)
+    if other is None:
+        return (f"- **Speedup over the fastest plain decoding: {NOT_TIMED}** ({where}: no plain decoder besides our own "
+                f"({runtime_text(best.get('runtime'))}) was timed in this run, so no comparison was made; over our own "
+                f"plain decoding {num(r.get('speedup'), 2)}x{ci(r, 'speedup', 2)}); prompt lookup: {NOT_TIMED}")
+    ro = result_at(other, t)
+    fastest, comps = ro.get("fastest_plain"), other.get("comparators") or {}
+    tps = {n: ro.get("baseline_tokens_per_s") if n == "ours" else (comps.get(n) or {}).get("tokens_per_s")
+           for n in plain_timed(other, ro)}
+    timed = ", ".join(f"{n} {num(v, 1)}" for n, v in tps.items())
+    text = f"- **Speedup over the fastest plain decoding measured in the same run: {vs_fastest_value(ro)}** "
+    if other is best:
+        text += f"({where}; 95% bootstrap over prompts)"
+    else:
+        text += (f"({label(other, True)}, chain K={other.get('k')}, T={num(t, 1)}: the plain decoders were timed with it, "
+                 f"not with the headline {label(best, True)}, for which they are {NOT_TIMED})")
+    text += f" over **{fastest}** = {plain_text(other, fastest)} (plain tok/s: {timed})"
+    lookup = (other.get("comparators") or {}).get("hf_prompt_lookup")
+    if not lookup:
+        return text + f"; prompt lookup: {NOT_TIMED}"
+    over = (f"{num(lookup['speedup_vs_fastest_plain'], 2)}x{ci(lookup, 'speedup_vs_fastest_plain', 2)}"
+            if lookup.get("speedup_vs_fastest_plain") is not None
+            else f"{num(lookup['tokens_per_s'] / ro['fastest_plain_tokens_per_s'], 2)}x"
+            if ro.get("fastest_plain_tokens_per_s") else f"{num(lookup.get('speedup'), 2)}x over our own plain decoding")
+    return text + f"; **prompt lookup** (transformers, n-gram drafts from the prompt) beside it: {over}"
+
+
+def lossless_head(best: dict, evals: list[dict], t: float) -> str:
+    """Line 3: lossless or not, per method (chain, tree, prompt lookup), at the headline temperature."""
+    def flag(x) -> str:
+        return {True: "yes", False: "NOT lossless", None: DASH}[x]
+
+    def vs_hf(x) -> str:
+        return "" if x is None else f" (vs transformers' fp32 generate(): {'yes' if x else 'NO'})"
+
+    if t > 0:
+        return (f"- **Lossless** at T={num(t, 1)}: checked by the distribution test, not token by token "
+                "(tests/test_engine.py); the tree drafter runs the exact chain at T>0")
+    r = result_at(best, t)
+    parts = [f"chain K={best.get('k')} {flag(r.get('lossless'))}{vs_hf(r.get('lossless_vs_transformers'))}"]
+    tree = r.get("tree")
+    parts.append(f"{tree_label(tree['shape'])} {flag(tree_lossless(tree))}{vs_hf(tree.get('lossless_vs_transformers'))}"
+                 if tree else "tree: not run")
+    other = timed_with(best, evals, t) or best
+    lookup = (other.get("comparators") or {}).get("hf_prompt_lookup")
+    if not lookup:
+        parts.append(f"prompt lookup: {NOT_TIMED}")
+    else:
+        parts.append(f"prompt lookup {flag(lookup.get('lossless'))} (vs generate() on the same weights)"
+                     f"{vs_hf(lookup.get('lossless_vs_transformers'))}" if "lossless" in lookup
+                     else "prompt lookup: not checked (evaluated before it was)")
+    return f"- **Lossless** at T=0 (token-identical to plain greedy decoding), {label(best, True)}: " + "; ".join(parts)
+
+
+def tau_gap_head(best: dict, t: float) -> str:
+    """Line 4: the held-out simulated τ (the offline prediction) against the measured τ."""
+    r = result_at(best, t)
+    sim, tau = heldout_simulated_tau(best, t), r.get("tau")
+    if sim is None or tau is None:
+        return (f"- **Held-out simulated τ vs measured τ** ({label(best, True)}, T={num(t, 1)}): simulated not measured "
+                f"(none for this draft kind or checkpoint); measured τ {num(tau)}{ci(r, 'tau')}")
+    return (f"- **Held-out simulated τ vs measured τ** ({label(best, True)}, T={num(t, 1)}, K={best.get('k')}): "
+            f"simulated {num(sim)}, measured {num(tau)}{ci(r, 'tau')}: gap {sim - tau:+.3f} (simulated − measured)")
+
+
+def head(best: dict, evals: list[dict], t: float, headline: str) -> list[str]:
+    """report.md's lines 2-5: the honest answer first (speedup over the fastest plain decoding with its interval and
+    prompt lookup beside it; lossless per method; simulated vs measured τ), then the headline checkpoint."""
+    return [speedup_head(best, evals, t), lossless_head(best, evals, t), tau_gap_head(best, t), f"- {headline}"]
 
 
 def hardware_text(e: dict) -> str:
@@ -111,11 +203,12 @@ def run(recipe, args) -> None:
     for name in names:
         if not (root / name).is_dir():
             raise SpecdistillError(f"--runs {name}: no run directory {root / name}")
-    runs = {name: load_evals(root / name) for name in names}
+    runtime = recipe_runtime(recipe)  # every run's results on the recipe's prompt set in its runtime
+    runs = {name: load_evals(root / name, recipe.eval, runtime) for name in names}
     for name in names:  # the recipe's own eval settings apply to its own run only
         own = name == recipe.run_name
         check_freshness(runs[name], root / name, eval_settings(recipe) if own else None,
-                        run_key(recipe) if own else None)
+                        run_key(recipe, runtime) if own else None)
     out_dir = root / names[0] if len(names) == 1 else root / f"compare-{'-'.join(names)}"
     runs_flag = f" --runs {' '.join(names)}" if getattr(args, "runs", None) else ""
     command = f"specdistill report --recipe {recipe.source}{runs_flag}"
@@ -130,7 +223,8 @@ def run(recipe, args) -> None:
 
 def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str,
                  run_dirs: dict[str, Path] | None = None) -> tuple[Path, str]:
-    """Write out_dir/report.md and its PNGs; return the path and the headline line. run_dirs: each run's
+    """Write out_dir/report.md and its PNGs; return the path and its first lines (the honest answer and the
+    headline, as the console prints them). run_dirs: each run's
     directory, for the checkpoints that were never evaluated (the τ-vs-tokens points)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     evals = [e for es in runs.values() for e in es]
@@ -141,10 +235,12 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str,
     best = best_checkpoint(evals)
     t0 = temperatures(evals)[0]
     rb = result_at(best, t0)
+    runtime = f" ({best['runtime']})" if best.get("runtime") else ""
     headline = (f"headline checkpoint: {label(best, True)} (rule: {HEADLINE_RULES[best['_headline_rule']]}), "
                 f"T={num(t0, 1)}: τ {num(rb.get('tau'))}{ci(rb, 'tau')}, α {num(rb.get('alpha'))}{ci(rb, 'alpha')}, "
                 f"speedup {num(rb.get('speedup'), 2)}x{ci(rb, 'speedup', 2)}"
-                f"{' (95% bootstrap over prompts)' if rb.get('speedup_ci95') else ''}, lossless {num(rb.get('lossless'))}")
+                f"{' (95% bootstrap over prompts)' if rb.get('speedup_ci95') else ''} over our own plain decoding"
+                f"{runtime}, lossless {num(rb.get('lossless'))}")
     figures = {
         "alpha_vs_predicted.png": plot_alpha_vs_predicted(evals, many, out_dir / "alpha_vs_predicted.png", footer),
         "alpha_vs_fkl.png": plot_alpha_vs_fkl(evals, many, out_dir / "alpha_vs_fkl.png", footer),
@@ -154,10 +250,10 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str,
         "tau_vs_tokens.png": plot_tau_vs_tokens(points, fits, many, out_dir / "tau_vs_tokens.png", footer),
     }
     scaling = scaling_section(points, fits, many, figures["tau_vs_tokens.png"].name)
-    text = render(runs, evals, many, best, headline, footer, command, figures, scaling,
-                  served_section(run_dirs or {}))
+    lines = head(best, evals, t0, headline)
+    text = render(runs, evals, many, best, lines, footer, command, figures, scaling, served_section(run_dirs or {}))
     write_text_atomic(out_dir / "report.md", text)
-    return out_dir / "report.md", headline
+    return out_dir / "report.md", "\n".join(line.removeprefix("- ").replace("**", "") for line in lines)
 
 
 def served_section(run_dirs: dict[str, Path]) -> str:
@@ -209,13 +305,13 @@ def stale_section(evals: list[dict]) -> str:
             "exists. Rerun `specdistill eval` to replace them.\n\n" + "\n".join(lines) + "\n\n")
 
 
-def render(runs, evals, many, best, headline, footer, command, figures, scaling: str = "", served: str = "") -> str:
+def render(runs, evals, many, best, head_lines, footer, command, figures, scaling: str = "", served: str = "") -> str:
     evaluate = command.split(" --runs")[0].replace("specdistill report", "specdistill eval", 1)
     note = "   # with each run's own recipe" if many else ""
-    reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.json\n{command}"
+    reproduce = f"{evaluate}{note}   # writes checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json\n{command}"
+    lines = "\n".join(head_lines)
     return f"""# specdistill report: {', '.join(runs)}
-
-**{headline}**
+{lines}
 
 {served}Produced from {len(evals)} eval result(s): {', '.join(f'`{e["_file"]}`' for e in evals)}.
 What produced every number and figure below: {footer}
@@ -228,7 +324,9 @@ Reproduce:
 {stale_section(evals)}## Checkpoints: offline prediction vs measured decoding
 Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
 speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
-same target measured in the same run; lossless = token-identical to our own plain greedy decoding and
+same target measured in the same run; speedup vs fastest plain = over the fastest of our plain decoding and the plain
+comparators (`hf_generate`, `plain_static-fp32`) timed for that checkpoint and temperature, `not timed` where only
+ours was (they run at T=0, with the last checkpoint); lossless = token-identical to our own plain greedy decoding and
 ("vs generate()") to transformers' greedy `generate()` (T=0), or a passed distribution test (T>0).
 Compare like with like: the offline top-1 and predicted α are teacher-forced *first-draft* numbers, so
 they predict α₁ (the measured acceptance at depth 1, `alpha_at[0]`), not the pooled α; pooled α and τ
@@ -263,7 +361,9 @@ offline prediction of τ (depths past the unrolled ones repeat the deepest one's
 *{footer}*
 
 ## Comparators on the same prompts
-Speedups over our own plain autoregressive baseline of the same run (tokens/s in brackets).{notes(evals, "comparators_note")}
+Speedups over our own plain autoregressive baseline of the same run (tokens/s in brackets; `not lossless`: a
+speculative comparator whose output differed from transformers' own plain greedy `generate()` or from the float32
+reference).{notes(evals, "comparators_note")}
 
 {comparator_table(evals, many)}
 

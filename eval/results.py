@@ -1,4 +1,5 @@
-"""Eval results read back (checkpoints/<run>/eval/<checkpoint>.json, written by `specdistill eval`): the one
+"""Eval results read back (checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json, written by
+`specdistill eval`, named by layout.eval_result): the one
 reader the report, the export README and the eval summary use, with the check that a result still measures
 the checkpoint on disk under the recipe's eval settings, and the one-line summary of a result.
 """
@@ -14,11 +15,15 @@ from specdistill.metrics import HELDOUT_EXTRA_KEYS, OFFLINE_KEYS, simulated_tau
 from specdistill.target_files import local_config
 
 
-def load_evals(run_dir: Path) -> list[dict]:
-    """Every checkpoint's eval JSON in a run, oldest step first; each gets `_run` and `_file`."""
-    files = sorted(layout.eval_dir(run_dir).glob("*.json"))
+def load_evals(run_dir: Path, eval_cfg, runtime: str) -> list[dict]:
+    """Every checkpoint's eval result in a run on the recipe's prompt set in its runtime (layout.eval_results),
+    oldest step first; each gets `_run` and `_file`."""
+    files = layout.eval_results(run_dir, eval_cfg, runtime)
     if not files:
-        raise SpecdistillError(f"{layout.eval_dir(run_dir)}: no eval results (*.json); run `specdistill eval` first")
+        others = sorted(p.name for p in layout.eval_dir(run_dir).glob("*.json"))
+        want = f"*{layout.eval_result_suffix(eval_cfg, runtime)}"
+        raise SpecdistillError(f"{layout.eval_dir(run_dir)}: no eval results ({want}) on these prompts in this runtime; "
+                               "run `specdistill eval` first" + (f" (there are: {', '.join(others)})" if others else ""))
     evals = [read_eval(f) for f in files]
     for e in evals:
         e["_run"] = run_dir.name
@@ -157,25 +162,35 @@ def eval_settings(recipe) -> dict:
     return recipe.eval.model_dump(mode="json")
 
 
+def recipe_runtime(recipe) -> str:
+    """The runtime eval.runtime resolves to for the recipe's target (read as JSON where the target is on disk, so
+    the report stays torch-free): the runtime part of an eval result's name and run key."""
+    config = local_config(recipe.target)
+    if config is None:  # a hub id, a GGUF not dequantised yet: transformers reads (or fetches) it
+        from specdistill.target import load_target_config
+
+        config = load_target_config(recipe.target)
+    return resolve_runtime_name(recipe.eval.runtime, config)
+
+
 def run_key(recipe, runtime_name: str | None = None) -> dict:
     """What else a result depends on besides its checkpoint and eval settings: the target (its recipe section),
     the runtime eval.runtime resolved to, and the decoding code (a fingerprint of its files); the report marks a
-    result stale when any differs. runtime_name: the resolved runtime (else resolved from the target's config:
-    read as JSON where the target is on disk, so the report stays torch-free)."""
-    if runtime_name is None:
-        config = local_config(recipe.target)
-        if config is None:  # a hub id, a GGUF not dequantised yet: transformers reads (or fetches) it
-            from specdistill.target import load_target_config
-
-            config = load_target_config(recipe.target)
-        runtime_name = resolve_runtime_name(recipe.eval.runtime, config)
-    return {"target": recipe.target.model_dump(mode="json"), "runtime": runtime_name,
+    result stale when any differs. runtime_name: the resolved runtime (else `recipe_runtime`)."""
+    return {"target": recipe.target.model_dump(mode="json"), "runtime": runtime_name or recipe_runtime(recipe),
             "decode_code": provenance.code_fingerprint()}
 
 
-def read_result(run_dir: Path, checkpoint: str) -> dict | None:
-    """The eval result of one checkpoint, freshness checked (`_stale`, as `check_freshness`), None if never evaluated."""
-    path = layout.eval_dir(run_dir) / f"{checkpoint}.json"
+def result_path(recipe, checkpoint: str, run_dir: Path | None = None) -> Path:
+    """Where the eval result of a checkpoint on the recipe's prompt set in its runtime lives (layout.eval_result)."""
+    return layout.eval_result(run_dir or recipe.run_dir, checkpoint, recipe.eval, recipe_runtime(recipe))
+
+
+def read_result(recipe, checkpoint: str, run_dir: Path | None = None) -> dict | None:
+    """The eval result of one checkpoint on the recipe's prompts in its runtime, freshness checked (`_stale`, as
+    `check_freshness`), None if never evaluated so."""
+    run_dir = run_dir or recipe.run_dir
+    path = result_path(recipe, checkpoint, run_dir)
     if not path.exists():
         return None
     result = read_eval(path)

@@ -278,7 +278,7 @@ def run(recipe, args) -> None:
     target = resolve_target(recipe.target)
     prompts = load_prompts(recipe.eval, load_tokenizer(recipe.target))
     temperatures = recipe.eval.temperature if isinstance(recipe.eval.temperature, list) else [recipe.eval.temperature]
-    ours = read_result(recipe.run_dir, step_dir.name)
+    ours = read_result(recipe, step_dir.name)
     dtype = served_dtype(recipe, ours, target)
     job = {"prompts": [p.ids for p in prompts], "temperatures": [float(t) for t in temperatures],
            "max_new_tokens": recipe.eval.max_new_tokens, "seed": recipe.eval.seed,

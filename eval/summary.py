@@ -52,13 +52,16 @@ def cost_terms(spec: dict, tau_by_k: dict, costs: dict | None) -> dict:
 
 
 def summarise_tree(tree_cfg, base_runs, tree_runs) -> dict:
-    """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless."""
+    """Tree drafting at T=0 against the same baseline runs: tau, alpha per depth, speedup, lossless, the 95%
+    intervals and the per-prompt records they are recomputed from."""
     t, base = merge_counts(tree_runs), merge_counts(base_runs)
+    records = per_prompt(tree_runs, base_runs)
     return {"shape": tree_cfg.model_dump(exclude_none=True), "tau": t["tau"], "alpha": t["alpha"], "alpha_at": t["alpha_at"],
             "speedup": speedup_over(t, base), "tokens_per_s": t["tokens_per_s"], "ms_per_verify": t["ms_per_verify"],
             "ms_per_draft_step": t["ms_per_draft_step"], "ms_per_token": t["ms_per_token"],
             "nodes_per_step": sum(r.nodes for r in tree_runs) / max(1, t["steps"]),
-            "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs))}
+            "lossless": all(a.tokens == b.tokens for a, b in zip(tree_runs, base_runs)),
+            **bootstrap_per_prompt(records), "per_prompt": records}
 
 
 BOOTSTRAP_SAMPLES = 2000
@@ -68,32 +71,79 @@ CI_NOTE = (f"95% percentile bootstrap over prompts ({BOOTSTRAP_SAMPLES} resample
            "tau, alpha and speedup recomputed from the pooled counts and times of each resample")
 
 
-def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
-    """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement.
-
-    Each resample pools its prompts exactly as the point estimates do (sum of tokens / sum of steps, ...)."""
+def per_prompt(spec_runs, base_runs) -> list[dict]:
+    """Each prompt's counts and times, speculative and baseline side by side: what every interval of a result is
+    recomputed from (`bootstrap_per_prompt`), kept in the eval JSON."""
     first = lambda counts: counts[0] if counts else 0  # noqa: E731  (depth 0: the first drafted token)
-    per = [(len(s.tokens), s.steps, sum(s.accepted), sum(s.tested), s.total_s, len(b.tokens), b.total_s,
-            first(s.accepted), first(s.tested)) for s, b in zip(spec_runs, base_runs)]
-    n = len(per)
-    if n == 0:
-        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None, "alpha_first_ci95": None}
+    return [{"tokens": len(s.tokens), "steps": s.steps, "accepted": sum(s.accepted), "tested": sum(s.tested),
+             "accepted_first": first(s.accepted), "tested_first": first(s.tested), "seconds": s.total_s,
+             "baseline_tokens": len(b.tokens), "baseline_seconds": b.total_s} for s, b in zip(spec_runs, base_runs)]
+
+
+def timed_per_prompt(tokens_seconds) -> list[dict]:
+    """A plain or comparator decoder's per-prompt record: [{tokens, seconds}] from (tokens, seconds) pairs."""
+    return [{"tokens": int(n), "seconds": float(s)} for n, s in tokens_seconds]
+
+
+def resamples(n: int, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0):
+    """The bootstrap's prompt picks: `samples` lists of n indices drawn with replacement, the same for every
+    interval of one result (seed 0), so intervals over the same prompts are paired."""
     rng = random.Random(seed)
-    taus, alphas, speedups, firsts = [], [], [], []
     for _ in range(samples):
-        pick = [per[rng.randrange(n)] for _ in range(n)]
-        tok, steps, acc, tested, secs, btok, bsecs, acc0, tested0 = (sum(x) for x in zip(*pick))
+        yield [rng.randrange(n) for _ in range(n)]
+
+
+def interval(xs) -> list[float]:
+    xs = sorted(xs)
+    return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
+
+
+def bootstrap_per_prompt(records: list[dict], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+    """[low, high] 95% percentile intervals of tau, alpha and speedup from per-prompt records (`per_prompt`),
+    resampling prompts with replacement; each resample pools its prompts exactly as the point estimates do."""
+    keys = ("tokens", "steps", "accepted", "tested", "seconds", "baseline_tokens", "baseline_seconds",
+            "accepted_first", "tested_first")
+    per = [tuple(r[k] for k in keys) for r in records]
+    if not per:
+        return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None, "alpha_first_ci95": None}
+    taus, alphas, speedups, firsts = [], [], [], []
+    for pick in resamples(len(per), samples, seed):
+        tok, steps, acc, tested, secs, btok, bsecs, acc0, tested0 = (sum(x) for x in zip(*(per[i] for i in pick)))
         taus.append(tok / steps if steps else 0.0)
         alphas.append(acc / tested if tested else 0.0)
         speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
         firsts.append(acc0 / tested0 if tested0 else 0.0)
-
-    def interval(xs):
-        xs = sorted(xs)
-        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
-
     return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups),
             "alpha_first_ci95": interval(firsts)}
+
+
+def bootstrap_ci95(base_runs, spec_runs, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+    """[low, high] 95% percentile intervals of tau, alpha and speedup, resampling prompts with replacement."""
+    return bootstrap_per_prompt(per_prompt(spec_runs, base_runs), samples, seed)
+
+
+def ratio_ci95(num: list[dict], den: list[dict], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> list[float] | None:
+    """The 95% interval of one decoder's pooled tokens/s over another's on the same prompts (per-prompt
+    [{tokens, seconds}] each), by the same resamples as `bootstrap_per_prompt`: with `den` the baseline it is
+    speedup_ci95 itself; with the fastest plain decoder, the interval of the speedup over it."""
+    per = [(a["tokens"], a["seconds"], b["tokens"], b["seconds"]) for a, b in zip(num, den)]
+    if not per or len(num) != len(den):
+        return None
+    ratios = []
+    for pick in resamples(len(per), samples, seed):
+        tok, secs, btok, bsecs = (sum(x) for x in zip(*(per[i] for i in pick)))
+        ratios.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
+    return interval(ratios)
+
+
+def spec_timed(records: list[dict]) -> list[dict]:
+    """The speculative side of per-prompt records as [{tokens, seconds}] (for `ratio_ci95`)."""
+    return [{"tokens": r["tokens"], "seconds": r["seconds"]} for r in records]
+
+
+def baseline_timed(records: list[dict]) -> list[dict]:
+    """The baseline side of per-prompt records as [{tokens, seconds}] (for `ratio_ci95`)."""
+    return [{"tokens": r["baseline_tokens"], "seconds": r["baseline_seconds"]} for r in records]
 
 
 def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, costs: dict | None = None) -> dict:
@@ -102,6 +152,7 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, co
     speedup_by_k = {str(k): speedup_over(merge_counts(runs), base) for k, runs in sorted(spec_runs.items())}
     tau_by_k = {str(k): merge_counts(runs)["tau"] for k, runs in sorted(spec_runs.items())}
     k_best = best_k(speedup_by_k)
+    records = per_prompt(spec_runs[main_k], base_runs)
     lossless = None
     if temperature == 0:
         lossless = all(s.tokens == b.tokens for runs in spec_runs.values() for s, b in zip(runs, base_runs))
@@ -133,10 +184,11 @@ def summarise_temperature(temperature, prompts, base_runs, spec_runs, main_k, co
         "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} on the "
                        "reported prompts themselves (not a held-out choice: set eval.tuning_prompts)",
         "predicted_tau_leviathan": metrics.leviathan_tau(spec["alpha"], main_k),
-        **bootstrap_ci95(base_runs, spec_runs[main_k]),
+        **bootstrap_per_prompt(records),
         "ci95_by_k": {str(k): bootstrap_ci95(base_runs, runs) for k, runs in sorted(spec_runs.items())},
         "ci_method": CI_NOTE,
         "tokens": spec["tokens"],
         "steps": spec["steps"],
         "per_category": per_category,
+        "per_prompt": records,
     }

@@ -7,6 +7,10 @@ from specdistill.metrics import OFFLINE_KEYS, leviathan_tau
 
 
 COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+PLAIN_COMPARATORS = ("hf_generate", "plain_static-fp32")  # evaluate.PLAIN_DECODERS (this module stays torch-free)
+FAMILY_TEXT = {"static": "our static runtime", "eager": "our engine on transformers' forward",
+               "compiled": "our static runtime under torch.compile"}
+NOT_TIMED = "not timed"
 
 
 DASH = "—"
@@ -37,6 +41,68 @@ def ci(r: dict, key: str, digits: int = 3) -> str:
     return f" [{num(float(v[0]), digits)}, {num(float(v[1]), digits)}]" if v else ""
 
 
+def runtime_text(runtime: str | None) -> str:
+    """'static-bf16' -> 'our static runtime in bf16'."""
+    family, _, dtype = str(runtime or "").partition("-")
+    if family in FAMILY_TEXT and dtype:
+        return f"{FAMILY_TEXT[family]} in {dtype}"
+    return f"our runtime {runtime}" if runtime else "its runtime not recorded"
+
+
+def plain_text(e: dict, name: str) -> str:
+    """What a plain decoder of a result is, in words: ours, transformers' generate(), our static-fp32."""
+    dtype = str(e.get("runtime") or "").partition("-")[2]
+    if name == "ours":
+        return f"our own plain decoding ({runtime_text(e.get('runtime'))})"
+    if name == "hf_generate":
+        return f"transformers generate(){f' in {dtype}' if dtype else ''}"
+    if name == "plain_static-fp32":
+        return "our own plain decoding in our static runtime in fp32"
+    return name
+
+
+def plain_timed(e: dict, r: dict) -> list[str] | None:
+    """The plain decoders timed for this checkpoint at this temperature (`plain_timed`; for results written before
+    it, read from the comparators: timed at T=0, with the checkpoint that ran them); None where the result
+    records no speedup over the fastest plain decoding at all."""
+    if r.get("plain_timed"):
+        return list(r["plain_timed"])
+    if "fastest_plain" not in r:
+        return None
+    comps = e.get("comparators") or {}
+    return ["ours", *([n for n in PLAIN_COMPARATORS if n in comps] if float(r.get("temperature", 0)) == 0 else [])]
+
+
+def fastest_was_timed(e: dict, r: dict) -> bool:
+    """Whether any plain decoder besides our own was timed, so a speedup over "the fastest" compares something."""
+    timed = plain_timed(e, r)
+    return bool(timed) and len(timed) > 1
+
+
+def vs_fastest_cell(e: dict, r: dict, entry: dict | None = None, unit: str = "") -> str:
+    """The speedup over the fastest plain decoding of `entry` (default the chain's result), with its interval and
+    the decoder it was over; "not timed" where only our own plain decoding was timed; — where not recorded."""
+    entry = r if entry is None else entry
+    if plain_timed(e, r) is None or entry.get("speedup_vs_fastest_plain") is None:
+        return DASH
+    if not fastest_was_timed(e, r):
+        return NOT_TIMED
+    return f"{vs_fastest_value(entry, unit)} (vs {r.get('fastest_plain')})"
+
+
+def vs_fastest_value(entry: dict, unit: str = "x") -> str:
+    """'1.16x [1.05, 1.27]': entry's speedup over the fastest plain decoding and its 95% interval (where recorded)."""
+    return f"{num(entry['speedup_vs_fastest_plain'], 2)}{unit}{ci(entry, 'speedup_vs_fastest_plain', 2)}"
+
+
+def tree_lossless(t: dict) -> bool | None:
+    """A tree is lossless when token-identical to plain greedy decoding and (where checked) to transformers'."""
+    flags = [t.get("lossless"), t.get("lossless_vs_transformers")]
+    if any(f is False for f in flags):
+        return False
+    return True if t.get("lossless") is True else None
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -63,7 +129,7 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
         if t == 0:  # beside the measured τ: the chain replayed on the target's own continuations (eval/chain_tau.py)
             header.append("sim. τ T=0 (continuations)")
         header += [f"sim. τ T={T} (held-out)", f"speedup T={T} [95% CI]",
-                   f"speedup vs fastest plain T={T} (ours or generate())", f"lossless T={T}"]
+                   f"speedup vs fastest plain T={T} [95% CI]", f"lossless T={T}"]
     rows = []
     for e in evals:
         row = [label(e, many_runs), str(e["step"])]
@@ -80,8 +146,7 @@ def checkpoint_table(evals: list[dict], many_runs: bool) -> str:
             if t == 0:
                 row.append(num(((e.get("offline") or {}).get("chain_on_continuations") or {}).get("tau")))
             row += [num(heldout_simulated_tau(e, t)), num(r.get("speedup"), 2) + ci(r, "speedup", 2),
-                    num(r.get("speedup_vs_fastest_plain"), 2)
-                    + (f" (vs {r['fastest_plain']})" if r.get("fastest_plain") else ""), lossless]
+                    vs_fastest_cell(e, r), lossless]
         rows.append(row)
     return table(header, rows)
 
@@ -96,7 +161,8 @@ def comparator_table(evals: list[dict], many_runs: bool) -> str:
         row = [label(e, many_runs)] + [num(result_at(e, t).get("speedup"), 2) for t in temps]
         for c in names:
             entry = comps.get(c) or {}
-            row.append(DASH if not entry else f"{num(entry.get('speedup'), 2)} ({num(entry.get('tokens_per_s'), 1)})")
+            flag = ", not lossless" if entry.get("lossless") is False or entry.get("lossless_vs_transformers") is False else ""
+            row.append(DASH if not entry else f"{num(entry.get('speedup'), 2)} ({num(entry.get('tokens_per_s'), 1)}{flag})")
         rows.append(row)
     return table(header, rows)
 
@@ -147,13 +213,17 @@ def cost_table(evals: list[dict], many_runs: bool) -> str:
     return table(header, rows) if rows else "(no cost curve in these results: evaluated before eval/runtime.py)"
 
 
-def tree_label(shape: dict) -> str:
-    return "tree (" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
+def tree_label(shape: dict, tree: dict | None = None) -> str:
+    """'tree (kind=dynamic, depth=4)', with ', not lossless' inside where the tree's decodes were not (`tree`:
+    its result), so no figure of a tree that left greedy decoding reads as a lossless one."""
+    flag = ", not lossless" if tree is not None and tree_lossless(tree) is False else ""
+    return "tree (" + ", ".join(f"{k}={v}" for k, v in shape.items()) + flag + ")"
 
 
 def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
     """Chain and tree drafting of the same checkpoint on the same prompts at T=0 (trees are greedy-only)."""
-    header = ["checkpoint", "drafting", "τ", "α", "α per depth", "speedup", "ms / verify", "nodes / step", "lossless"]
+    header = ["checkpoint", "drafting", "τ", "α", "α per depth", "speedup", "speedup vs fastest plain [95% CI]",
+              "ms / verify", "nodes / step", "lossless"]
     rows = []
     for e in evals:
         r = result_at(e, 0.0)
@@ -162,11 +232,12 @@ def chain_vs_tree_table(evals: list[dict], many_runs: bool) -> str:
         t = r["tree"]
         depth = lambda xs: ", ".join(num(a, 2) for a in xs or []) or DASH  # noqa: E731
         rows.append([label(e, many_runs), f"chain K={e.get('k')}", num(r.get("tau")), num(r.get("alpha")),
-                     depth(r.get("alpha_at")), num(r.get("speedup"), 2), num(r.get("ms_per_verify"), 1),
-                     num(e.get("k")), num(r.get("lossless"))])
-        rows.append([label(e, many_runs), tree_label(t["shape"]), num(t["tau"]), num(t["alpha"]), depth(t["alpha_at"]),
-                     num(t["speedup"], 2), num(t["ms_per_verify"], 1), num(t["nodes_per_step"], 1),
-                     num(t["lossless"])])
+                     depth(r.get("alpha_at")), num(r.get("speedup"), 2), vs_fastest_cell(e, r),
+                     num(r.get("ms_per_verify"), 1), num(e.get("k")), num(r.get("lossless"))])
+        lossless = tree_lossless(t)
+        rows.append([label(e, many_runs), tree_label(t["shape"], t), num(t["tau"]), num(t["alpha"]), depth(t["alpha_at"]),
+                     num(t["speedup"], 2), vs_fastest_cell(e, r, t), num(t["ms_per_verify"], 1),
+                     num(t["nodes_per_step"], 1), "not lossless" if lossless is False else num(lossless)])
     if not rows:
         trees = "/".join(f"`{k.NAME}`" for k in kinds.all_kinds() if k.DRAFTS_TREES)
         return f"No tree drafting in these runs (set `eval.tree` in the recipe for {trees} drafts)."
@@ -192,7 +263,7 @@ def methods_table(runs: dict[str, list[dict]]) -> str:
         rows.append(chain)
         greedy_tree = result_at(e, 0.0).get("tree")
         if greedy_tree:
-            tree = [name, e["checkpoint"], tree_label(greedy_tree["shape"])]
+            tree = [name, e["checkpoint"], tree_label(greedy_tree["shape"], greedy_tree)]
             for t in temps:
                 tr = result_at(e, t).get("tree")  # only at T=0: at T>0 the tree decoder is the chain
                 tree += [num(tr["tau"]), num(tr["alpha"]), num(tr["speedup"], 2)] if tr else ["(chain)"] * 3
@@ -253,6 +324,8 @@ def summary_line(result: dict, r: dict) -> str:
     vs_hf = {True: " (transformers: yes)", False: " (transformers: NO)"}.get(r.get("lossless_vs_transformers"), "")
     ci95 = r.get("speedup_ci95")
     interval = f"  speedup 95% CI [{ci95[0]:.2f}, {ci95[1]:.2f}]" if ci95 else ""
+    if plain_timed(result, r) is not None:  # recorded: over the fastest plain decoder timed, or "not timed"
+        interval += f"  over the fastest plain decoding: {vs_fastest_cell(result, r, unit='x')}"
     return (f"{result.get('checkpoint')} T={t:g} K={result.get('k')}: tau {num(r.get('tau'), 2)}  "
             f"alpha {num(r.get('alpha'))}  speedup {num(r.get('speedup'), 2)}x ({num(r.get('tokens_per_s'), 1)} vs "
             f"{num(r.get('baseline_tokens_per_s'), 1)} tok/s)  draft {num(r.get('ms_per_draft_step'), 1)} ms/step  "

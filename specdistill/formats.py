@@ -5,7 +5,7 @@ fixtures alike, so that nothing re-encodes a format by hand. Paths come from spe
   cache            cache/manifest.json, cache/<split>/shard-NNNNN.safetensors
   checkpoint       step-XXXXXXX/{draft.safetensors, draft_config.json, metrics.json, COMPLETE}
                    (train/checkpoint.py adds ds/, DeepSpeed's own state)
-  eval result      eval/<checkpoint>.json
+  eval result      eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_result)
   run records      train_log.jsonl (append-only), best.json, train_recipe.yaml (train/)
   regeneration     <key>.partial/{inputs.json, <split>.jsonl} (data/regenerate.py)
   export           export/<format>/{config.json, model.safetensors, README.md}

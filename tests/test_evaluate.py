@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_eval_stage_end_to_end(setup, capsys):
     (layout.step_dir(recipe.run_dir, 3)).mkdir()  # incomplete: ignored
 
     written = evaluate.run(recipe, argparse.Namespace(checkpoint="last"))
-    assert [p.name for p in written] == ["step-0000002.json"]
+    assert written == [layout.eval_result(recipe.run_dir, "step-0000002", recipe.eval, "static-bf16")]
+    assert re.fullmatch(r"step-0000002\.prompts-[0-9a-f]{6}-n3-t12\.static-bf16\.json", written[0].name), written[0].name
     report = json.loads(written[0].read_text())
     assert TOP_KEYS <= set(report)
     assert report["checkpoint"] == "step-0000002" and report["step"] == 2 and report["draft_kind"] == "eagle"
@@ -128,6 +130,36 @@ def test_eval_stage_end_to_end(setup, capsys):
     out = capsys.readouterr().out
     assert "step-0000002 T=0 K=3: tau" in out and "lossless yes" in out and "step-0000002 T=1" in out
     assert not list(written[0].parent.glob("*.tmp"))
+
+
+def test_a_second_eval_on_other_prompts_or_runtime_never_overwrites_the_first(setup):
+    """Each eval result is named by checkpoint, prompt set and runtime: an eval on fewer prompts, or in another
+    runtime, writes its own file, and the readers (report, export, served) read the one their recipe names."""
+    from specdistill.eval import results
+    from specdistill.train.export import measured
+
+    recipe, target = setup
+    recipe.eval.temperature, recipe.eval.k_sweep, recipe.eval.comparators = [0], [], False
+    write_eagle_checkpoint(recipe, target, 1)
+    first = evaluate.run(recipe, argparse.Namespace(checkpoint="last"))[0]
+    kept = first.read_bytes()
+    fewer = recipe.model_copy(deep=True)
+    fewer.eval.num_prompts = 2
+    fp32 = recipe.model_copy(deep=True)
+    fp32.eval.runtime = "static-fp32"
+    others = [evaluate.run(r, argparse.Namespace(checkpoint="last"))[0] for r in (fewer, fp32)]
+    assert len({first, *others}) == 3 and first.read_bytes() == kept  # three files, the first untouched
+    assert ".n2-" not in first.name and "-n2-t12.static-bf16.json" in others[0].name
+    assert others[1].name.endswith("-n3-t12.static-fp32.json")
+    for r, want in ((recipe, (3, "static-bf16")), (fewer, (2, "static-bf16")), (fp32, (3, "static-fp32"))):
+        got = results.read_result(r, "step-0000001")
+        assert (got["num_prompts"], got["runtime"]) == want and not got["_stale"]
+        assert [(e["num_prompts"], e["runtime"]) for e in results.load_evals(r.run_dir, r.eval, want[1])] == [want]
+        assert measured(r, "step-0000001")[0]["_file"] == got["_file"]  # the export README quotes that one
+    never = recipe.model_copy(deep=True)
+    never.eval.max_new_tokens = 5
+    assert results.read_result(never, "step-0000001") is None
+    assert "not evaluated on these prompts in this runtime" in measured(never, "step-0000001")[1]
 
 
 def test_best_k_is_chosen_on_tuning_prompts_disjoint_from_the_reported_ones(setup, monkeypatch):
@@ -277,7 +309,8 @@ def test_tree_drafting_is_measured_beside_the_chain(setup, tmp_path):
     tree = greedy["tree"]
     assert tree["lossless"] is True and tree["tau"] >= 1.0 and tree["nodes_per_step"] > 0
     assert len(tree["alpha_at"]) == 3 and "tree" not in sampled  # trees are greedy-only
-    path, _ = report_mod.write_report({"tiny": results.load_evals(recipe.run_dir)}, tmp_path / "rep", "specdistill report")
+    evals = results.load_evals(recipe.run_dir, recipe.eval, report["runtime"])
+    path, _ = report_mod.write_report({"tiny": evals}, tmp_path / "rep", "specdistill report")
     text = path.read_text()
     assert "## Chain vs tree drafting (T=0)" in text and "tree (kind=dynamic" in text and "chain K=3" in text
 

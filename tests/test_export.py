@@ -18,6 +18,7 @@ from specdistill.kinds import kind, load_draft
 from tests.helpers import load_vllm_eagle, tiny_recipe
 from specdistill import layout
 from specdistill.errors import SpecdistillError
+from specdistill.eval.results import result_path
 from specdistill.recipe import load_recipe
 from specdistill.target import fingerprint_target, load_target
 from specdistill.train import export
@@ -179,7 +180,7 @@ def test_readme_has_serve_command_target_and_measurements(setup):
     assert fingerprint_target(recipe.target)["weights"] in readme
     assert "not evaluated" in readme
 
-    eval_json = layout.eval_dir(recipe.run_dir) / f"{step_dir.name}.json"
+    eval_json = result_path(recipe, step_dir.name)  # the result the recipe names (its prompts, its runtime)
     eval_json.parent.mkdir(parents=True)
     eval_json.write_text(json.dumps({"checkpoint": step_dir.name, "step": 1, "k": 4, "num_prompts": 2, "prompts": "p.jsonl",
                                      "results": [{"temperature": 0.0, "tau": 2.5, "alpha": 0.61, "speedup": 1.4,

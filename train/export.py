@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specdistill import formats, integrity, kinds, layout
 from specdistill.errors import SpecdistillError
-from specdistill.eval.results import read_result
+from specdistill.eval.results import read_result, result_path
 from specdistill.eval.tables import summary_line
 from specdistill.target import fingerprint_target, load_target_config, resolve_target
 
@@ -101,12 +101,13 @@ def check_same_target(recipe, step_dir: Path, draft_cfg: dict) -> None:
 
 # --------------------------------------------------------------------------------------------- README
 
-def measured(run_dir: Path, checkpoint: str) -> tuple[dict | None, str]:
-    """(the checkpoint's eval result, or None; the README's "Measured" text). A result of other weights (the
-    checkpoint retrained since) is refused, with its best K; one that records no fingerprint is flagged."""
-    result = read_result(run_dir, checkpoint)
+def measured(recipe, checkpoint: str, run_dir: Path | None = None) -> tuple[dict | None, str]:
+    """(the checkpoint's eval result on the recipe's prompts in its runtime, or None; the README's "Measured"
+    text). A result of other weights (the checkpoint retrained since) is refused, with its best K; one that
+    records no fingerprint is flagged. run_dir: the run's directory (default the recipe's)."""
+    result = read_result(recipe, checkpoint, run_dir)
     if result is None:
-        return None, "not evaluated"
+        return None, f"not evaluated on these prompts in this runtime (no {result_path(recipe, checkpoint, run_dir).name})"
     changed = [r for r in result["_stale"] if not r.startswith("unverified")]
     if changed:
         return None, (f"not shown: {Path(result['_file']).name} measured another version of this checkpoint "
@@ -125,7 +126,7 @@ def speculative_tokens(recipe, step_dir: Path, why: bool = False):
     """export.num_speculative_tokens, else the measured best K at T=0, else eval.k (and why, if asked)."""
     k, reason = recipe.export.num_speculative_tokens, "export.num_speculative_tokens"
     if not k:
-        data, _ = measured(recipe.run_dir, step_dir.name)
+        data, _ = measured(recipe, step_dir.name)
         best = [r for r in (data or {}).get("results", []) if r.get("temperature") == 0 and r.get("best_k")]
         k, reason = (int(best[0]["best_k"]), "the best K measured at T=0 by `specdistill eval`: "
                      + best[0].get("best_k_from", "")) if best else (recipe.eval.k, "eval.k (no measured best K)")
@@ -149,7 +150,7 @@ def serve_command(recipe, fmt: str, export_dir: Path, k: int) -> str:
 
 def write_readme(recipe, step_dir: Path, draft_cfg: dict, fmt: str, out: Path, final_dir: Path) -> None:
     fingerprint = (draft_cfg.get("target") or {}).get("fingerprint")
-    _, measured_text = measured(recipe.run_dir, step_dir.name)
+    _, measured_text = measured(recipe, step_dir.name)
     k, k_reason = speculative_tokens(recipe, step_dir, why=True)
     text = f"""# {recipe.run_name} / {step_dir.name} — {fmt}
 
