@@ -7,6 +7,7 @@ hf_assisted       assisted generation with our draft as `assistant_model` (draft
 from __future__ import annotations
 
 import torch
+from transformers import GenerationMixin
 
 from specdistill import device as devices
 
@@ -21,12 +22,9 @@ def comparator_names(draft) -> list[str]:
 
 
 def assistant_of(draft):
-    """The draft as a transformers model that `generate(assistant_model=...)` accepts (a draft LM, or the
-    engine's drafter of one), else None (an EAGLE head has no `generate`)."""
-    if hasattr(draft, "generate"):
-        return draft
-    inner = getattr(draft, "model", None)  # the engine's drafter of a draft LM
-    return inner if hasattr(inner, "generate") else None
+    """The draft (a loaded module, kinds.load_draft) as a transformers model that `generate(assistant_model=...)`
+    accepts: a draft LM, a transformers generation model; else None (EAGLE and Medusa heads generate nothing)."""
+    return draft if isinstance(draft, GenerationMixin) else None
 
 
 @torch.inference_mode()

@@ -15,11 +15,12 @@ One step of `decode_loop`, whatever is drafted:
 Plain autoregressive decoding is the same loop with `NoDraft` (K = 0), so the baseline shares every
 line of cache and sampling code with speculative decoding.
 
-Drafters (made by each draft kind, specdistill/kinds/) implement `reset()` and
+Drafters (made by each draft kind, specdistill/kinds/) are specdistill/contracts.py `Drafter`s: `reset()` and
 `propose(seq, n, new_features, k, temperature, generator) -> (tokens [k'], q [k', V] or None)` with
 k' <= k; `new_features` are what the drafter's `features(hidden_states)` picks from the target's forward
 (EAGLE: the last hidden state, post final norm; EAGLE-3: the aux-layer states) for the positions the
 target cached since the previous call, or None when it reads none (`needs_features = False`).
+A draft (a torch module) is wrapped by its kind's `drafter`; anything else handed over as a draft is a drafter.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 
 from specdistill import device as devices
 from specdistill import kinds
+from specdistill.contracts import Drafter
 from specdistill.errors import SpecdistillError
 from specdistill.target import cut_at_eos, eos_token_ids  # noqa: F401  (eos_token_ids: re-exported for callers)
 from specdistill.eval.runtime import EagerRuntime, StaticRuntime, runtime_name
@@ -89,7 +91,7 @@ def merge_counts(results: list[DecodeResult]) -> dict:
 
 def as_runtime(target):
     """A runtime (eval/runtime.py) as it is; a bare transformers model runs eagerly in its own dtype."""
-    if hasattr(target, "forward") and hasattr(target, "keep_path"):
+    if isinstance(target, (EagerRuntime, StaticRuntime)):
         return target
     return EagerRuntime(target, runtime_name("eager", str(target.dtype).removeprefix("torch.")))
 
@@ -134,6 +136,9 @@ class NoDraft:
     """K = 0: the engine then decodes plain autoregressively (the baseline)."""
     needs_features = False
 
+    def features(self, hidden_states):
+        return None  # it reads nothing (the engine never asks: needs_features is False)
+
     def reset(self, capacity: int = 0) -> None:
         pass
 
@@ -141,15 +146,16 @@ class NoDraft:
         return stack_draws([], [], seq.device)
 
 
-def make_drafter(draft, target=None, static: bool = False):
-    """What the decode loop calls to draft: a module (EAGLE head, causal LM) wrapped by its kind, checked
-    against the target's vocabulary; None -> NoDraft; an engine drafter as it is.
+def make_drafter(draft, target=None, static: bool = False) -> Drafter:
+    """What the decode loop calls to draft: a draft (a module: EAGLE head, Medusa heads, causal LM) wrapped by
+    its kind, checked against the target's vocabulary; None -> NoDraft; a drafter (any other object, a
+    specdistill/contracts.py Drafter) as it is.
     static: the target runs in the static runtime (an EAGLE-3 head then drafts over a slot cache too)."""
     if draft is None:
         return NoDraft()
-    if hasattr(draft, "propose"):  # already an engine drafter
-        return draft
-    return kinds.kind_of(draft).drafter(draft, target, static)
+    if isinstance(draft, torch.nn.Module):
+        return kinds.kind_of(draft).drafter(draft, target, static)
+    return draft
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -265,7 +271,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target, draft=None, k: int = 4, eos_ids=()):
         runtime = as_runtime(target)
-        if draft is not None and not hasattr(draft, "propose"):
+        if isinstance(draft, torch.nn.Module):  # a draft, not a drafter: it runs where the target runs
             draft.to(device=runtime.device, dtype=runtime.dtype)
         self.drafter = make_drafter(draft, runtime.model, static=isinstance(runtime, StaticRuntime))
         self.target = Target(runtime, self.drafter.features if self.drafter.needs_features else None)

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from specdistill import kinds
+from specdistill import contracts, kinds
 from specdistill.errors import SpecdistillError
-from specdistill.eval.engine import (DecodeResult, SpeculativeDecoder, Target, Verified, as_runtime, decode_loop,
-                                     make_drafter)
+from specdistill.eval.engine import DecodeResult, SpeculativeDecoder, Target, Verified, as_runtime, decode_loop
 from specdistill.eval.runtime import StaticRuntime, additive, crop_cache, new_cache
 from specdistill.recipe import DynamicTree, TreeConfig
 from specdistill.target import vocab_size_of
@@ -126,7 +125,8 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """The head, its own KV cache, and the tree built from it each step."""
+    """The head, its own KV cache, and the tree built from it each step: the EAGLE heads' tree drafter
+    (kinds/common/heads.py HeadDrafter.tree_drafter), a specdistill/contracts.py TreeDrafter."""
 
     def __init__(self, drafter):
         """drafter: an EAGLE kind's chain drafter (its head, feature projection and id mapping)."""
@@ -242,9 +242,10 @@ class TreeStepper:
     """One step of the decode loop (eval/engine.py `decode_loop`): draft a tree, verify it in one target
     forward with a tree mask, walk the greedy path."""
 
-    def __init__(self, drafter, shape: TreeShape):
-        # a kind whose heads draft trees their own way (Medusa: top-k per head) brings its tree drafter
-        self.drafter = drafter.tree_drafter() if hasattr(drafter, "tree_drafter") else TreeDrafter(drafter)
+    def __init__(self, drafter: contracts.TreeDrafting, shape: TreeShape):
+        # the drafter of a kind that drafts trees brings its tree drafter (EAGLE heads: TreeDrafter above;
+        # Medusa: top-k per head)
+        self.drafter: contracts.TreeDrafter = drafter.tree_drafter()
         self.shape = shape
 
     def reset(self, capacity: int) -> None:
@@ -277,20 +278,21 @@ class TreeDecoder:
     def __init__(self, target, head, tree, eos_ids=()):
         """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype);
         tree: the recipe's `eval.tree`."""
-        if not kinds.kind_of(head).DRAFTS_TREES:
+        kind = kinds.kind_of(head)
+        if not kind.DRAFTS_TREES:
             trees = [k.NAME for k in kinds.all_kinds() if k.DRAFTS_TREES]
             raise SpecdistillError(f"tree decoding needs a draft of a kind that drafts trees ({', '.join(trees)}), "
                                    f"got {type(head).__name__}")
         self.shape = parse_tree(tree)
-        ids = kinds.kind_of(head).draft_vocabulary(head)
+        ids = kind.draft_vocabulary(head)
         draft_vocab = ids.numel() if ids is not None else vocab_size_of(head)
         widest = max((p[-1] + 1 for p in self.shape.paths), default=self.shape.top_k)
         if widest > draft_vocab:
             raise SpecdistillError(f"eval.tree: {widest} children per node exceed the head's vocabulary ({draft_vocab})")
         self.runtime = as_runtime(target)
         head.to(device=self.runtime.device, dtype=self.runtime.dtype)
-        self.chain_drafter = make_drafter(head, self.runtime.model,  # checks the vocabulary; also the T > 0 fallback
-                                          static=isinstance(self.runtime, StaticRuntime))
+        self.chain_drafter: contracts.TreeDrafting = kind.drafter(  # checks the vocabulary; also the T > 0 fallback
+            head, self.runtime.model, static=isinstance(self.runtime, StaticRuntime))
         self.target = Target(self.runtime, self.chain_drafter.features)
         self.stepper = TreeStepper(self.chain_drafter, self.shape)
         self.eos_ids = set(eos_ids)

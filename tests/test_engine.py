@@ -48,6 +48,9 @@ class ConstantDraft:
     def __init__(self, token: int, vocab: int):
         self.token, self.vocab = token, vocab
 
+    def features(self, hidden_states):
+        return None
+
     def reset(self, capacity: int = 0):
         pass
 

@@ -8,6 +8,7 @@ import torch
 
 from specdistill.eval.runtime import crop_cache, new_cache
 from specdistill.eval.sampling import pick, stack_draws
+from specdistill.eval.tree import TreeDrafter
 
 
 def checkpoint_config(head) -> dict:
@@ -41,6 +42,7 @@ class HeadDrafter:
     newly verified positions are run in one forward on their real features, then K tokens are drafted
     autoregressively on the head's own predicted states (EAGLE's scheme). A kind says which features it
     reads (`features`), how it projects them (`project`), and which target ids its tokens are (`to_target`).
+    A specdistill/contracts.py TreeDrafting drafter: the heads draft trees too (`tree_drafter`).
     """
     needs_features = True
     additive_tree_mask = True  # the head's body is a transformers model: a float mask (eval/tree.py)
@@ -60,6 +62,10 @@ class HeadDrafter:
 
     def pick(self, h, temperature, generator):
         return pick(self.head.logits(h), temperature, generator)
+
+    def tree_drafter(self) -> TreeDrafter:
+        """Trees for eval/tree.py: the same head over a cache of its own, a tree mask per depth."""
+        return TreeDrafter(self)
 
     def reset(self, capacity: int = 0) -> None:
         self.cache = new_cache(self.head.config)

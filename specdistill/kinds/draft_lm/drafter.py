@@ -16,6 +16,9 @@ class DraftLMDrafter:
         self.model = model.eval().requires_grad_(False)
         self.cache = None
 
+    def features(self, hidden_states):
+        return None  # it reads no target states, only tokens (the engine never asks: needs_features is False)
+
     def reset(self, capacity: int = 0) -> None:
         self.cache = new_cache(self.model.config)
 

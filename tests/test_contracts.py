@@ -1,0 +1,97 @@
+"""specdistill/contracts.py: every kind of the registry satisfies the kind surface (its names, its functions'
+signatures), and the drafter of each kind's loaded draft satisfies the drafter contracts the engine and the
+tree stepper rely on; an object that lacks a member fails the same checks."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdistill import contracts, kinds
+from specdistill.eval.engine import NoDraft
+from specdistill.formats import write_checkpoint
+from specdistill.recipe import Recipe
+
+KINDS = kinds.all_kinds()
+IDS = [k.package for k in KINDS]
+
+
+def own_methods(protocol) -> list[str]:
+    """The methods a protocol declares itself or through its protocol bases (not object's or Protocol's)."""
+    return sorted({name for cls in protocol.__mro__ if getattr(cls, "_is_protocol", False) and cls is not contracts.Protocol
+                   for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("_")})
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def loaded_draft(kind, target, tmp_path):
+    """A draft of `kind` (the recipe's defaults) through a checkpoint and kinds.load_draft, as the eval loads one."""
+    recipe = Recipe.model_validate({"run_name": "t", "target": {"path": "unused"}, "corpus": {"path": "x.jsonl"},
+                                    "draft": {"kind": kind.NAME}, "train": {"max_steps": 1, "save_every": 1}})
+    draft = kind.shapes(recipe, target.config).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*draft.parameters(), *draft.buffers()]:
+            t.zero_()  # any values do; zeros are a valid EAGLE-3 draft vocabulary mapping (d2t)
+    write_checkpoint(tmp_path, kind.own_state_dict(draft), {"kind": kind.NAME, "config": kind.checkpoint_config(draft),
+                                                            "step": 1}, {"step": 1})
+    return kinds.load_draft(tmp_path, target)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_every_kind_satisfies_the_kind_surface(kind):
+    assert isinstance(kind, contracts.DraftKind)
+    assert kind.NAME == kind.package and isinstance(kind.LABEL, str)
+    assert isinstance(kind.EXPORT_FORMATS, tuple) and set(kind.VLLM_METHOD) == set(kind.EXPORT_FORMATS)
+    assert isinstance(kind.DRAFTS_TREES, bool) and kind.DRAFTER_READS in (None, "hidden_last", "hidden_aux")
+    for name in own_methods(contracts.DraftKind):  # the module's function takes what the protocol's method does
+        want = list(inspect.signature(getattr(contracts.DraftKind, name)).parameters.values())[1:]  # less self
+        got = list(inspect.signature(getattr(kind, name)).parameters.values())
+        assert len(got) == len(want), (kind, name, got)
+        assert [p.name for p in got[1:]] == [p.name for p in want[1:]], (kind, name, got)  # the first is the kind's
+        assert [p.default for p in got] == [p.default for p in want], (kind, name, got)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=IDS)
+def test_every_kinds_loaded_draft_makes_a_drafter_of_the_contract(kind, target, tmp_path):
+    draft = loaded_draft(kind, target, tmp_path)
+    assert isinstance(draft, torch.nn.Module) and kinds.kind_of(draft) is kind
+    drafter = kind.drafter(draft, target)
+    assert isinstance(drafter, contracts.Drafter) and not isinstance(drafter, torch.nn.Module)
+    assert drafter.needs_features == (kind.DRAFTER_READS is not None)
+    assert isinstance(drafter, contracts.TreeDrafting) == kind.DRAFTS_TREES
+    if kind.DRAFTS_TREES:
+        assert isinstance(drafter.tree_drafter(), contracts.TreeDrafter)
+
+
+def test_an_object_missing_a_member_fails_the_checks():
+    class NoPropose:
+        needs_features = False
+
+        def features(self, hidden_states):
+            return None
+
+        def reset(self, capacity: int = 0) -> None:
+            pass
+
+    class NoDraw:  # a tree drafter without `draft`
+        def reset(self) -> None:
+            pass
+
+    assert isinstance(NoDraft(), contracts.Drafter) and not isinstance(NoDraft(), contracts.TreeDrafting)
+    assert not isinstance(NoPropose(), contracts.Drafter)
+    assert not isinstance(NoDraw(), contracts.TreeDrafter)
+    kind = kinds.kind("eagle")
+    surface = {name: getattr(kind, name) for name in [*own_methods(contracts.DraftKind),
+                                                       *contracts.DraftKind.__annotations__,
+                                                       *contracts.KindConfig.__annotations__]}
+    assert isinstance(type("Whole", (), surface)(), contracts.DraftKind)
+    del surface["export"]
+    assert not isinstance(type("NoExport", (), surface)(), contracts.DraftKind)
