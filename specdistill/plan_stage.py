@@ -96,8 +96,9 @@ def probe(recipe, overrides: list[str]) -> dict:
     m["eval_fixed_s"] = max(0.0, evals[0] - PROBE_TOKENS[0] * m["eval_per_token_s"])
     m["eval_prompts"] = min(2, recipe.eval.num_prompts) + min(1, recipe.eval.tuning_prompts)
     m["plain_tokens_per_s"] = min(r["baseline_tokens_per_s"] for r in result["results"])
-    m["export_s"], _ = timed("export", recipe.source, small, checkpoint=None, format=None)
-    m["report_s"], _ = timed("report", recipe.source, small, runs=None)
+    last = [*small, f"eval.max_new_tokens={PROBE_TOKENS[-1]}"]  # export and report read the eval the recipe names
+    m["export_s"], _ = timed("export", recipe.source, last, checkpoint=None, format=None)
+    m["report_s"], _ = timed("report", recipe.source, last, runs=None)
     shutil.rmtree(probe_run, ignore_errors=True)
     return m
 
