@@ -364,6 +364,10 @@ def _with_plan(recipe: Recipe, tree: dict, path: Path) -> Recipe:
     except (ValueError, KeyError, TypeError) as e:
         raise SpecdistillError(f"{where}: not a plan written by `specdistill plan` ({e}); delete it or run the "
                                "plan again") from None
+    sized = {**made_for, **{k.split(".")[-1]: parse_override(o)[1] for o in overrides
+                            for k in [o.split("=", 1)[0]] if k.split(".")[-1] in made_for}}
+    if plan_key(recipe) == sized:  # a recipe the plan already sized (a training rank's train_recipe.yaml)
+        return recipe
     if made_for != plan_key(recipe):
         raise SpecdistillError(f"{where}: made for {made_for}, the recipe now says {plan_key(recipe)}; run "
                                f"`specdistill plan --recipe {path}` again (or set budget_minutes=null)")

@@ -11,7 +11,7 @@ from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.plan import time_left
 from specdistill.plan_stage import AIM, estimate, fit, sizes
-from specdistill.recipe import load_recipe, plan_key
+from specdistill.recipe import load_recipe, plan_key, recipe_dump
 from tests.test_other_targets import TOY, write_recipe
 
 DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
@@ -58,6 +58,11 @@ def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
     assert (planned.corpus.max_rows, planned.train.max_steps, planned.target.dtype) == (2702, 227, "float32")
     assert planned.run_name == recipe.run_name and planned.source == DEFAULT
     assert default_recipe(tmp_path, "budget_minutes=null").corpus.max_rows == 8000  # no budget: the plan is ignored
+    # the recipe the plan sized, written out and read again (what every training rank loads: train_recipe.yaml)
+    resized = tmp_path / "train_recipe.yaml"
+    resized.write_text(json.dumps(recipe_dump(planned)))
+    again = load_recipe(resized)
+    assert recipe_dump(again) == {**recipe_dump(planned)}
     with pytest.raises(SpecdistillError, match=f"{plan}: made for .*'max_rows': 8000.* now says .*'max_rows': 100"):
         default_recipe(tmp_path, "corpus.max_rows=100")
     assert time_left(planned, "prepare", 90.0) == "plan: prepare took 1.5 min (planned 1.0); about 30 min of the run left"
