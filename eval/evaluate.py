@@ -26,7 +26,8 @@ from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, held
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, ratio_ci95, spec_timed, speedup_over,
                                       summarise_temperature, summarise_tree, timed_per_prompt)
-from specdistill.eval.tables import summary_line, tree_label, tree_lossless, vs_fastest_cell
+from specdistill.eval.tables import (FP32_PLAIN, PLAIN_COMPARATORS, summary_line, tree_label, tree_lossless,
+                                     vs_fastest_cell)
 from specdistill.eval.tree import TreeDecoder
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.plan import applied_plan
@@ -62,8 +63,6 @@ class Decoders:
     fp32_plain: SpeculativeDecoder | None = None
 
 
-FP32_PLAIN = "plain_static-fp32"  # its comparator name
-PLAIN_DECODERS = ("hf_generate", FP32_PLAIN)  # the comparators that decode plainly (no drafts): candidates for the fastest
 SPECULATIVE_COMPARATORS = ("hf_prompt_lookup", "hf_assisted")  # judged lossless against hf_generate's own tokens
 
 
@@ -137,7 +136,7 @@ def fastest_plain(result: dict, comp_report: dict) -> list[dict]:
     speedup's); the tree's too. `plain_timed` names every plain decoder timed: ours alone means no comparison
     was made, and the report says "not timed". Returns the fastest's per-prompt [{tokens, seconds}]."""
     plain = {"ours": (result["baseline_tokens_per_s"], baseline_timed(result["per_prompt"]))}
-    plain.update({name: (c["tokens_per_s"], c["per_prompt"]) for name, c in comp_report.items() if name in PLAIN_DECODERS})
+    plain.update({name: (c["tokens_per_s"], c["per_prompt"]) for name, c in comp_report.items() if name in PLAIN_COMPARATORS})
     fastest = max(plain, key=lambda name: plain[name][0])
     result["plain_timed"] = list(plain)
     result["fastest_plain"] = fastest

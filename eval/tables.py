@@ -7,7 +7,8 @@ from specdistill.metrics import OFFLINE_KEYS, leviathan_tau
 
 
 COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
-PLAIN_COMPARATORS = ("hf_generate", "plain_static-fp32")  # evaluate.PLAIN_DECODERS (this module stays torch-free)
+FP32_PLAIN = "plain_static-fp32"  # the comparator decoding plainly in our static runtime in fp32
+PLAIN_COMPARATORS = ("hf_generate", FP32_PLAIN)  # the comparators that decode plainly (no drafts): candidates for the fastest
 FAMILY_TEXT = {"static": "our static runtime", "eager": "our engine on transformers' forward",
                "compiled": "our static runtime under torch.compile"}
 NOT_TIMED = "not timed"
@@ -56,7 +57,7 @@ def plain_text(e: dict, name: str) -> str:
         return f"our own plain decoding ({runtime_text(e.get('runtime'))})"
     if name == "hf_generate":
         return f"transformers generate(){f' in {dtype}' if dtype else ''}"
-    if name == "plain_static-fp32":
+    if name == FP32_PLAIN:
         return "our own plain decoding in our static runtime in fp32"
     return name
 
