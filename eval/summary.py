@@ -106,14 +106,14 @@ def bootstrap_per_prompt(records: list[dict], samples: int = BOOTSTRAP_SAMPLES, 
     per = [tuple(r[k] for k in keys) for r in records]
     if not per:
         return {"tau_ci95": None, "alpha_ci95": None, "speedup_ci95": None, "alpha_first_ci95": None}
-    taus, alphas, speedups, firsts = [], [], [], []
+    taus, alphas, firsts = [], [], []
     for pick in resamples(len(per), samples, seed):
         tok, steps, acc, tested, secs, btok, bsecs, acc0, tested0 = (sum(x) for x in zip(*(per[i] for i in pick)))
         taus.append(tok / steps if steps else 0.0)
         alphas.append(acc / tested if tested else 0.0)
-        speedups.append((tok / secs) / (btok / bsecs) if secs and bsecs and btok else 0.0)
         firsts.append(acc0 / tested0 if tested0 else 0.0)
-    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas), "speedup_ci95": interval(speedups),
+    return {"tau_ci95": interval(taus), "alpha_ci95": interval(alphas),
+            "speedup_ci95": ratio_ci95(spec_timed(records), baseline_timed(records), samples, seed),
             "alpha_first_ci95": interval(firsts)}
 
 
