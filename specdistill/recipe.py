@@ -364,17 +364,16 @@ def _with_plan(recipe: Recipe, tree: dict, path: Path) -> Recipe:
     except (ValueError, KeyError, TypeError) as e:
         raise SpecdistillError(f"{where}: not a plan written by `specdistill plan` ({e}); delete it or run the "
                                "plan again") from None
-    sized = {**made_for, **{k.split(".")[-1]: parse_override(o)[1] for o in overrides
-                            for k in [o.split("=", 1)[0]] if k.split(".")[-1] in made_for}}
-    if plan_key(recipe) == sized:  # a recipe the plan already sized (a training rank's train_recipe.yaml)
+    sized = json.loads(json.dumps(tree))
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set(sized, parts, value, str(where))
+    if sized == tree:  # the plan changes nothing: a recipe it already sized (a training rank's train_recipe.yaml)
         return recipe
     if made_for != plan_key(recipe):
         raise SpecdistillError(f"{where}: made for {made_for}, the recipe now says {plan_key(recipe)}; run "
                                f"`specdistill plan --recipe {path}` again (or set budget_minutes=null)")
-    for text in overrides:
-        parts, value = parse_override(text)
-        _set(tree, parts, value, str(where))
-    planned = Recipe.model_validate(_coerce_numbers(tree))
+    planned = Recipe.model_validate(_coerce_numbers(sized))
     planned.run_name, planned.source = recipe.run_name, recipe.source
     return planned
 
