@@ -32,6 +32,12 @@ def plan_path(run_dir: Path) -> Path:
     return run_dir / "plan.json"
 
 
+def heldout_cost_path(run_dir: Path) -> Path:
+    """Seconds each save's held-out scoring took (train/loop.py), kept out of metrics.json: that file defines the
+    checkpoint (formats.checkpoint_fingerprint), and a time is not reproducible."""
+    return run_dir / "heldout_cost.jsonl"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step:07d}"
 

@@ -85,7 +85,11 @@ def probe(recipe, overrides: list[str]) -> dict:
     step_seconds = [s["tokens"] / s["tokens_per_s"] for s in steps]
     m["train_step_s"] = statistics.median(step_seconds[2:] or step_seconds)  # past the first steps' warm-up
     m["train_tokens_per_step"] = statistics.median(s["tokens"] for s in steps)
-    m["train_fixed_s"] = max(0.0, m["train_s"] - sum(step_seconds))  # start-up, the JIT build, the save
+    cost = read_jsonl(layout.heldout_cost_path(probe_run))[-1]  # the probe's one save scored its held-out split
+    m["heldout_rows"], m["heldout_chain_positions"] = cost["rows"], cost["chain_positions"]
+    m["heldout_offline_s"], m["heldout_chain_s"] = cost["offline_s"], cost["chain_s"]
+    scoring = cost["offline_s"] + cost["chain_s"]
+    m["train_fixed_s"] = max(0.0, m["train_s"] - sum(step_seconds) - scoring)  # start-up, the JIT build, the save
     evals = []
     for tokens in PROBE_TOKENS:
         seconds, _ = timed("eval", recipe.source, [*small, f"eval.max_new_tokens={tokens}"], checkpoint=None)
@@ -119,9 +123,7 @@ def estimate(recipe, m: dict, scale: float) -> dict:
     steps = recipe.train.max_steps * scale  # unrounded: the estimate stays linear in the scale (fit solves it)
     saves = math.ceil(recipe.train.max_steps / recipe.train.save_every)
     tokens_per_row = m["cache_tokens"] / m["cache_rows"]
-    heldout_tokens = rows * recipe.corpus.heldout_fraction * tokens_per_row
-    # a save scores the held-out split: a forward only, about a third of a training step's cost per token
-    heldout_s = heldout_tokens / m["train_tokens_per_step"] * m["train_step_s"] / 3
+    heldout_s = heldout_scoring_s(recipe, m)
     prompts = recipe.eval.num_prompts + recipe.eval.tuning_prompts
     checkpoints = recipe.eval.checkpoints if isinstance(recipe.eval.checkpoints, int) else 1
     decode = m["eval_per_token_s"] * recipe.eval.max_new_tokens * prompts / m["eval_prompts"]
@@ -135,6 +137,21 @@ def estimate(recipe, m: dict, scale: float) -> dict:
         served_tokens = len(recipe.temperatures) * recipe.eval.num_prompts * recipe.eval.max_new_tokens
         out["served"] = engines * (VLLM_START_S + served_tokens / (VLLM_OVER_OURS * m["plain_tokens_per_s"]))
     return out
+
+
+def heldout_scoring_s(recipe, m: dict) -> float:
+    """One save's held-out scoring (offline metrics, then the T=0 chain), from the probe's save. Both are capped
+    (train.heldout_batches batches, train.heldout_chain_positions positions), which a run reaches at a small part
+    of its rows, so it is priced at the recipe's full rows and stays a fixed cost of each save."""
+    if not m["heldout_rows"]:
+        return 0.0
+    rows = rows_to_cache(recipe, m["corpus_rows"]) * recipe.corpus.heldout_fraction
+    scored = min(rows, recipe.train.heldout_batches * recipe.train.micro_batch_size)
+    offline = m["heldout_offline_s"] / m["heldout_rows"] * scored
+    if not m["heldout_chain_positions"]:
+        return offline
+    positions = min(recipe.train.heldout_chain_positions, m["heldout_chain_positions"] / m["heldout_rows"] * scored)
+    return offline + m["heldout_chain_s"] / m["heldout_chain_positions"] * positions
 
 
 def fit(recipe, m: dict, budget_s: float, spent_s: float) -> float:

@@ -16,8 +16,9 @@ from tests.test_other_targets import TOY, write_recipe
 
 DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 # Rates as a probe measures them: 100 tokens a row, 100 tokens/s cached, 2 s a step of 2,000 tokens, 0.5 s a token
-# decoded over 3 probe prompts.
-RATES = {"prepare_s": 10.0, "cache_fixed_s": 20.0, "corpus_rows": None, "cache_tokens": 9600, "cache_rows": 96, "cache_tokens_per_s": 100.0,
+# decoded over 3 probe prompts; its one save scored 8 held-out rows in 2 s and drafted the chain at 400 positions in 4 s.
+RATES = {"heldout_rows": 8, "heldout_chain_positions": 400, "heldout_offline_s": 2.0, "heldout_chain_s": 4.0,
+         "prepare_s": 10.0, "cache_fixed_s": 20.0, "corpus_rows": None, "cache_tokens": 9600, "cache_rows": 96, "cache_tokens_per_s": 100.0,
          "train_fixed_s": 60.0, "train_step_s": 2.0, "train_tokens_per_step": 2000.0, "eval_fixed_s": 30.0,
          "eval_per_token_s": 0.5, "eval_prompts": 3, "plain_tokens_per_s": 10.0, "export_s": 5.0, "report_s": 5.0}
 
@@ -28,9 +29,14 @@ def default_recipe(tmp_path, *overrides):
 
 def test_the_estimate_adds_each_stage_fixed_cost_and_rate(tmp_path):
     est = estimate(default_recipe(tmp_path), RATES, 1.0)  # 8,000 rows, 672 steps, 6 saves, 16 + 8 prompts of 64
+    # a save scores 8 batches of 4 of the 400 held-out rows, and the chain at its cap of 1,024 positions (50 a row)
+    save = 2.0 / 8 * 32 + 4.0 / 400 * 1024
     assert est == {"prepare": 10.0, "cache": 20.0 + 8000 * 100 / 100,
-                   "train": 60.0 + 672 * 2.0 + 6 * (8000 * 0.05 * 100 / 2000 * 2.0 / 3),
+                   "train": 60.0 + 672 * 2.0 + 6 * save,
                    "eval": 30.0 + 0.5 * 64 * 24 / 3, "export": 5.0, "served": 0.0, "report": 5.0}
+    assert estimate(default_recipe(tmp_path), RATES, 0.0)["train"] == 60.0 + 6 * save  # the saves' cost is fixed
+    unscored = {**RATES, "heldout_rows": 0, "heldout_chain_positions": 0}  # a recipe without a held-out split
+    assert estimate(default_recipe(tmp_path), unscored, 1.0)["train"] == 60.0 + 672 * 2.0
     served = estimate(default_recipe(tmp_path, "served.enabled=true"), RATES, 1.0)["served"]
     assert served == pytest.approx(4 * (105.0 + 2 * 16 * 64 / 20.0))  # plain, the export, ngram, suffix
 
@@ -39,11 +45,12 @@ def test_the_fit_fills_the_budget_and_never_grows_the_recipe(tmp_path):
     recipe = default_recipe(tmp_path)
     scale = fit(recipe, RATES, 3600.0, spent_s=120.0)
     assert sum(estimate(recipe, RATES, scale).values()) + 120.0 == pytest.approx(3600.0)
-    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2626, "train.max_steps": 221, "train.save_every": 37,
-                                    "train.warmup_steps": 22}
-    assert scale == pytest.approx((3600 - 120 - 386) / 9424)  # fixed: every stage at 0 rows, the eval included
+    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2555, "train.max_steps": 215, "train.save_every": 36,
+                                    "train.warmup_steps": 21}
+    # fixed: every stage at 0 rows, the eval and the 6 saves' held-out scoring included
+    assert scale == pytest.approx((3600 - 120 - 386 - 6 * (2.0 / 8 * 32 + 4.0 / 400 * 1024)) / 9344)
     assert fit(recipe, RATES, 10 ** 6, spent_s=0.0) == 1.0
-    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 6 min"):
+    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 8 min"):
         fit(recipe, RATES, 400.0, spent_s=0.0)
 
 
@@ -82,6 +89,7 @@ def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_targe
     plan = json.loads(layout.plan_path(run_dir).read_text())
     m = plan["measured"]
     assert m["cache_tokens"] > 0 and m["train_step_s"] > 0 and m["eval_fixed_s"] > 0 and m["plain_tokens_per_s"] > 0
+    assert m["heldout_rows"] > 0 and m["heldout_chain_positions"] > 0  # the probe's save scored its held-out split
     assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(600.0 * AIM, abs=1.0)
     planned = load_recipe(recipe_file, [*toy, "budget_minutes=10"])
     assert planned.train.max_steps == pytest.approx(100000 * plan["scale"], abs=6) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64

@@ -317,10 +317,17 @@ def _save(run: RunState, ds_engine, step: int, heldout, record) -> Path:
     draft_kind = kinds.kind(recipe.draft.kind)
     ds_engine.eval()
     metrics = {"step": step, "train_loss": record["loss"], "tokens_seen": record["tokens_seen"]}
+    t0 = time.time()
     metrics["heldout"] = objective.offline_metrics(heldout) if heldout else {"note": "no heldout split"}
+    t1 = time.time()
     if heldout and recipe.train.heldout_chain_positions:  # the T=0 chain as decoding drafts it (eval/chain_tau.py)
         metrics["heldout"].update(heldout_chain_tau(draft_kind, objective.head, objective.parts, heldout,
                                                     recipe.eval.k, recipe.train.heldout_chain_positions))
+    if run.rank == 0:  # what the held-out scoring cost: the plan prices a run's saves from its probe's (plan_stage.py)
+        append_jsonl(layout.heldout_cost_path(recipe.run_dir),
+                     [{"step": step, "rows": sum(int(b["input_ids"].shape[0]) for b in heldout),
+                       "offline_s": round(t1 - t0, 3), "chain_s": round(time.time() - t1, 3),
+                       "chain_positions": metrics["heldout"].get("chain_positions", 0)}])
     ds_engine.train()
     own = _gathered_own_state(ds_engine, draft_kind, objective.head)
     config = {**run.meta, "config": draft_kind.checkpoint_config(objective.head), "step": step}
