@@ -90,9 +90,14 @@ def test_a_computed_table_is_its_results(name):
     assert record["table"]["rows"] == tables.ROWS[name](record["results"])
 
 
-def test_a_hand_edited_record_number_is_caught():
+def test_a_changed_result_changes_the_computed_table():
+    """The table follows the record's results: a measured τ moved by 0.5 in the results moves it in the table
+    (a formatter printing a constant, or reading the wrong field, would leave the stored table unchanged)."""
     record = render.read_record("medusa-vs-eagle3")
-    record["table"]["rows"][0][3] = "9.999"
+    assert record["table"]["rows"] == tables.ROWS["medusa-vs-eagle3"](record["results"])
+    arm = next(iter(record["results"].values()))
+    t0 = next(r for r in tables.last_eval(arm)["results"] if r["temperature"] == 0.0)
+    t0["tau"] += 0.5
     assert record["table"]["rows"] != tables.ROWS["medusa-vs-eagle3"](record["results"])
 
 
