@@ -40,10 +40,12 @@ from specdistill.errors import SpecdistillError
 from specdistill.formats import (read_json, read_manifest, shard_name, write_json_atomic, write_manifest,
                                  write_shard, write_yaml)
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
+from specdistill.processes import join, launcher_command, process_env, run_ranks
+from specdistill.recipe import load_recipe, recipe_dump
+from specdistill.strict import strict_device_from_env
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target, load_target_config,
                                 load_tokenizer, resolve_aux_layers, resolve_target, target_logits_from_hidden,
                                 target_weight_files)
-from specdistill.train.processes import launcher_command, process_env, run_ranks
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 MANIFEST_VERSION = 1
@@ -608,8 +610,6 @@ def run(recipe, args=None) -> dict:
     if recipe.cache.regenerate:  # one process answers the prompts first; the ranks then find it done and reuse it
         regenerated_corpus(recipe, corpus_dir(recipe.run_dir), shared_cache_root(recipe), load_model(recipe, device))
         torch.cuda.empty_cache()
-    from specdistill.recipe import recipe_dump
-
     resolved = recipe.run_dir / "cache_recipe.yaml"  # what every rank loads
     write_yaml(resolved, recipe_dump(recipe))
     done = run_ranks(launcher_command("specdistill.data.cache", ["--recipe", str(resolved)], processes),
@@ -652,9 +652,6 @@ def stage(recipe, device: torch.device, rank: int = 0, world: int = 1) -> dict:
 
 def main(argv=None) -> int:
     """One rank of an N-process cache pass (started by the DeepSpeed launcher from `run`)."""
-    from specdistill.cli import strict_device_from_env
-    from specdistill.recipe import load_recipe
-    from specdistill.train.processes import join
 
     parser = argparse.ArgumentParser(description="one process of the cache pass (started by the DeepSpeed launcher)")
     parser.add_argument("--recipe", required=True)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from specdistill.eval.engine import SLACK
+from specdistill.objective.base import counted
+from specdistill.target import target_logits_from_hidden
 
 HELDOUT_NOTE = ("T=0 chains of K drafts replayed by the engine's drafter at every trained position of held-out "
                 "corpus text (own states, own drafted tokens, depth i counted only after depths < i were "
@@ -109,9 +111,6 @@ def heldout_sequences(batches, reads: str | None, parts):
     """(ids, features, greedy, trained) per held-out sequence of cached `batches` (data/cache_reader.py):
     features = the cached `reads` (the kind's DRAFTER_READS: hidden_last, hidden_aux, or None), greedy =
     the target's argmax from its cached final state, else from its cached top-k (sorted, first = argmax)."""
-    from specdistill.target import target_logits_from_hidden
-    from specdistill.train.objective import counted
-
     dtype = parts.lm_head.weight.dtype if parts.lm_head is not None else None
     for batch in batches:
         trained, real = counted(batch), batch["attention_mask"].bool()

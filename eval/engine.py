@@ -34,7 +34,7 @@ from specdistill.contracts import Drafter
 from specdistill.errors import SpecdistillError
 from specdistill.target import cut_at_eos, eos_token_ids  # noqa: F401  (eos_token_ids: re-exported for callers)
 from specdistill.eval.runtime import EagerRuntime, StaticRuntime, runtime_name
-from specdistill.eval.sampling import probs_from_logits, stack_draws, verify_chain, verify_greedy
+from specdistill.decoding.sampling import probs_from_logits, stack_draws, verify_chain, verify_greedy
 
 
 # ----------------------------------------------------------------------------- results

@@ -104,7 +104,7 @@ def from_run(name: str, run_dir: Path, log: Path) -> Path:
     results = {"main": run_results(run_dir, seconds)}
     made = provenance.git_commit(root=clone)
     record = {"experiment": name, "title": exp.title, "command": exp.command,
-              "provenance": f"transcribed from `make distill` in a fresh clone of {made} ({run_dir.name}), "
+              "provenance": f"recorded from `make distill` in a fresh clone of {made} ({run_dir.name}), "
                             f"{time.strftime('%Y-%m-%d', time.gmtime(log.stat().st_mtime))}",
               "settings": {"main": recipe_dump(recipe)}, "fingerprints": {"decode_code": provenance.code_fingerprint(root=clone)},
               "hardware": device.hardware(torch.device("cpu")), "code_version": made,

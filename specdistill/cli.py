@@ -14,33 +14,13 @@ import os
 import sys
 import time
 
-from specdistill import kinds
+from specdistill import runlock
 from specdistill.errors import Preempted, SpecdistillError
 from specdistill.plan import time_left
 from specdistill.recipe import load_recipe
+from specdistill.stages import STAGES
+from specdistill.strict import strict_device_from_env
 
-# stage -> (module, one-line help, extra arguments)
-STAGES = {
-    "plan": ("specdistill.plan_stage", "measure this machine at a few rows and size the run to budget_minutes "
-             "(make distill's first step)", []),
-    "prepare": ("specdistill.data.prepare", "read the corpus, apply the chat template, tokenize, split", []),
-    "cache": ("specdistill.data.cache", "run the target once over the corpus and cache what training needs", []),
-    "train": ("specdistill.train.launch", "train the draft under DeepSpeed (one or many processes)", []),
-    "eval": ("specdistill.eval.evaluate", "decode the prompts speculatively with every checkpoint; measure alpha, tau, speedup",
-             [("--checkpoint", dict(default=None, help="step-N, 'all' or 'last' (default: the recipe's eval.checkpoints)"))]),
-    "report": ("specdistill.eval.report", "write report.md with plots: offline KL vs measured acceptance",
-               [("--runs", dict(nargs="+", default=None, help="compare several run names"))]),
-    "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",
-               [("--checkpoint", dict(default=None, help="step-N or best (default: the last)")),
-                ("--format", dict(default=None, help=f"{', '.join(kinds.export_formats())} (default: the recipe's)"))]),
-    "served": ("specdistill.eval.served", "serve every export with vLLM, measure acceptance there, gate on parity "
-               "with eval (needs `make setup-vllm`)", []),
-    "config": ("specdistill.config_stage", "print the resolved recipe (file + overrides + defaults): what will run", []),
-    "verify": ("specdistill.verify_stage", "check a run's cache, checkpoints and exports against their checksums; "
-               "name every bad file",
-               [("--full", dict(action="store_true", help="hash every byte of the cache (default: sizes, headers and "
-                                                            "a sample of the data, as cache.verify: sample)"))]),
-}
 # Stages that accept --restart (start the run over instead of refusing changed settings).
 RESTARTABLE = {"train"}
 # Stages that write into a run: one at a time per run and stage (specdistill/runlock.py).
@@ -89,17 +69,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def strict_device_from_env():
-    """SPECDISTILL_STRICT_DEVICE=1 (make gpu-check): the stage runs under device.strict_device(), where a tensor
-    made without device= stops it, naming file:line. torch is imported only then: `config` and `report` run
-    without it."""
-    if os.environ.get("SPECDISTILL_STRICT_DEVICE", "") in ("", "0"):
-        return contextlib.nullcontext()
-    from specdistill import device
-
-    return device.strict_device()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.stage is None:
@@ -110,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(STAGES[args.stage][0])
         strict = strict_device_from_env()
         if args.stage in ONE_WRITER:
-            from specdistill import runlock
-
             lock = runlock.hold(recipe.run_dir, args.stage)
         else:
             lock = contextlib.nullcontext()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: this module stays torch-free
     import torch
 
-    from specdistill.eval.tree import DraftTree, TreeShape
+    from specdistill.decoding.tree_drafter import DraftTree, TreeShape
 
 
 @runtime_checkable
@@ -68,7 +68,7 @@ class TreeDrafting(Drafter, Protocol):
     """The drafter of a kind that drafts trees: the chain drafter (also the T > 0 fallback) and its trees."""
 
     def tree_drafter(self) -> TreeDrafter:
-        """Its tree drafter, sharing its head (EAGLE heads: eval/tree.py TreeDrafter; Medusa: its own)."""
+        """Its tree drafter, sharing its head (EAGLE heads: specdistill/decoding/tree_drafter.py TreeDrafter; Medusa: its own)."""
         ...
 
 
@@ -111,7 +111,7 @@ class DraftKind(KindConfig, Protocol):
         ...
 
     # objective.py
-    Objective: type  # (head, parts, loss, data) -> what DeepSpeed wraps (train/objective.py Objective)
+    Objective: type  # (head, parts, loss, data) -> what DeepSpeed wraps (specdistill/objective/base.py Objective)
 
     # drafter.py
     def drafter(self, draft: Any, target_model: Any = None, static: bool = False) -> Drafter:

@@ -22,11 +22,11 @@ import time
 
 from specdistill import device as devices
 from specdistill import layout
-from specdistill.cli import STAGES
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_jsonl
 from specdistill.plan import format_plan
 from specdistill.recipe import load_recipe, plan_key
+from specdistill.stages import STAGES
 
 PROBE_ROWS = 96
 PROBE_STEPS = 6

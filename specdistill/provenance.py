@@ -11,7 +11,7 @@ import subprocess
 from specdistill.layout import REPO_ROOT
 
 # Everything a decode's tokens, counts and timings depend on besides the weights and the eval settings.
-DECODE_CODE = ("eval/engine.py", "eval/sampling.py", "eval/runtime.py", "eval/tree.py", "eval/evaluate.py",
+DECODE_CODE = ("eval/engine.py", "specdistill/decoding", "eval/runtime.py", "eval/tree.py", "eval/evaluate.py",
                "specdistill/kinds", "specdistill/target.py")
 
 

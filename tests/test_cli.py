@@ -87,7 +87,7 @@ def test_launcher_ranks_honour_the_strict_device_env(module, recipe_file, monkey
     import importlib
 
     from specdistill import device
-    from specdistill.train import processes
+    from specdistill import processes
 
     rank_main = importlib.import_module(module)
     where = device.PROJECT_ROOT / "specdistill" / "probe_stage.py"  # a stage of the project (never written)

@@ -164,7 +164,7 @@ def test_cuda_n_is_honoured_in_one_process():
     """In one process (no launcher) the engine's GPU is LOCAL_RANK's, so join sets it to N; the cache pass runs
     one process on cuda:N whatever train.num_gpus says."""
     from specdistill.data.cache import cache_processes
-    from specdistill.train.processes import in_process_local_rank
+    from specdistill.processes import in_process_local_rank
 
     assert in_process_local_rank(torch.device("cuda", 3)) == "3"
     assert in_process_local_rank(torch.device("cuda")) == "0" and in_process_local_rank("cpu") == "0"

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval import sampling
+from specdistill.decoding import sampling
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.kinds.eagle.drafter import EagleDrafter
 from specdistill.kinds.eagle.model import EagleHead

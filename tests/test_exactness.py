@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from specdistill.eval import engine, sampling
+from specdistill.decoding import sampling
+from specdistill.eval import engine
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import StaticRuntime, make_runtime
 from specdistill.eval.tree import TreeDecoder

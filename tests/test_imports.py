@@ -2,6 +2,7 @@
 fails there, whatever the import order elsewhere), and the stages that only read JSON and YAML never import torch."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -105,3 +106,108 @@ def test_config_and_report_do_not_import_torch(stage, tmp_path):
     out = subprocess.run([sys.executable, "-c", NO_TORCH, stage, "--recipe", str(recipe)],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "NO-TORCH 0", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- which way imports run
+# Layers, top to bottom (docs/DESIGN.md "Imports"): a module imports from its own layer or a lower one. The stage
+# packages share a layer; between two of them imports run one way (train reads data's cache and eval's results).
+LAYERS = {"cli": 4, "stages": 3, "config": 2, "kinds": 1, "core": 0}
+CONFIG = {"specdistill.recipe", "specdistill.stages"}  # the recipe schema gathers every kind's sections
+HEAVY = ("torch", "transformers", "deepspeed")  # a deferred import may wait for these, nothing else
+
+
+def package_of(module: str) -> str:
+    """The package a module counts in: cli, a stage package (data, train, eval, a specdistill/*_stage module),
+    config, kinds or core."""
+    parts = module.split(".")
+    if module in CONFIG:
+        return "config"
+    if len(parts) > 1 and (parts[1] in ("cli", "kinds", "data", "train", "eval") or parts[1].endswith("_stage")):
+        return parts[1]
+    return "core"
+
+
+def layer_of(package: str) -> str:
+    return package if package in ("cli", "config", "kinds", "core") else "stages"
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    files = {}
+    for folder, package in MAPPED.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            files[".".join((package, *parts))] = path
+    return files
+
+
+def project_imports(path: Path):
+    """(imported module, line, deferred) for each import of this package's code in `path`; imports under
+    `if TYPE_CHECKING:` (annotations) and `if __name__ == "__main__":` (a script's entry) left out."""
+    tree = ast.parse(path.read_text())
+    guarded = {id(n) for node in tree.body if isinstance(node, ast.If) for n in ast.walk(node)}
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module if f"{node.module}.{a.name}" not in ALL else f"{node.module}.{a.name}"
+                     for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "specdistill" or name.startswith("specdistill."):
+                yield name, node.lineno, id(node) not in top
+
+
+ALL = set(module_files(ROOT))
+
+
+def import_problems(root: Path = ROOT) -> list[str]:
+    """Every import against the layers, every two-way street between packages, and every deferred import of our
+    code with no heavy library behind it."""
+    files = module_files(root)
+    problems, streets = [], {}
+    for module, path in files.items():
+        src = package_of(module)
+        for name, line, deferred in project_imports(path):
+            dst = package_of(name)
+            where = f"{path.relative_to(root)}:{line}"
+            if LAYERS[layer_of(dst)] > LAYERS[layer_of(src)]:
+                problems.append(f"{where}: {src} ({layer_of(src)}) imports {name} ({layer_of(dst)}), a higher layer")
+            if dst != src:
+                streets.setdefault((src, dst), where)
+            target = files.get(name)
+            if deferred and target is not None:
+                heavy = [n for n in ast.parse(target.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
+                         and any((getattr(n, "module", None) or a.name).split(".")[0] in HEAVY for a in n.names)]
+                if not heavy:
+                    problems.append(f"{where}: deferred import of {name}, which imports no heavy library")
+    for (a, b), where in sorted(streets.items()):
+        if a < b and (b, a) in streets:
+            problems.append(f"two-way street {a} <-> {b}: {where} and {streets[(b, a)]}")
+    return problems
+
+
+def test_imports_run_one_way_cli_stages_kinds_core():
+    assert import_problems() == []
+
+
+def test_an_import_up_a_layer_and_a_two_way_street_are_named(tmp_path):
+    """The check on a deliberately wrong tree: a kind reaching into eval/, eval and train importing each other,
+    and a deferred import of a light module."""
+    for folder in MAPPED:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "specdistill" / "kinds").mkdir()
+    (tmp_path / "specdistill" / "kinds" / "k.py").write_text("from specdistill.eval.runtime import x\n")
+    (tmp_path / "specdistill" / "light.py").write_text("X = 1\n")
+    (tmp_path / "eval" / "runtime.py").write_text("from specdistill.train.loop import y\n")
+    (tmp_path / "train" / "loop.py").write_text("from specdistill.eval.runtime import x\n\n\n"
+                                                "def f():\n    from specdistill.light import X\n")
+    assert sorted(import_problems(tmp_path)) == [
+        "specdistill/kinds/k.py:1: kinds (kinds) imports specdistill.eval.runtime (stages), a higher layer",
+        "train/loop.py:5: deferred import of specdistill.light, which imports no heavy library",
+        "two-way street eval <-> train: eval/runtime.py:1 and train/loop.py:1",
+    ]

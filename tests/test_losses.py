@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdistill import metrics
-from specdistill.train import losses
+from specdistill.objective import losses
 
 P = [0.5, 0.3, 0.2]
 Q = [0.25, 0.25, 0.5]
@@ -129,7 +129,7 @@ def test_acceptance_weight_ramps_then_holds():
 
 def test_hybrid_objective_moves_from_the_terms_to_tvd():
     from specdistill.kinds.common.config import LossConfig
-    from specdistill.train.objective import Objective
+    from specdistill.objective.base import BaseObjective as Objective
 
     torch.manual_seed(0)
     pred = {"p_logits": torch.randn(6, 5), "q_logits": torch.randn(6, 5)}

@@ -8,7 +8,8 @@ import torch
 
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder
-from specdistill.eval.runtime import make_runtime, parse_runtime, tree_mask
+from specdistill.decoding.kv import tree_mask
+from specdistill.eval.runtime import make_runtime, parse_runtime
 from tests.conftest import tiny_model
 from tests.test_engine import eagle3_for
 

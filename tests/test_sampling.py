@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdistill.eval import sampling
-from specdistill.eval.sampling import residual, verify_chain, verify_greedy
+from specdistill.decoding import sampling
+from specdistill.decoding.sampling import residual, verify_chain, verify_greedy
 
 V = 8
 DRAWS = 10_000

@@ -18,7 +18,7 @@ from specdistill import device as devices
 from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest
-from specdistill.train import processes
+from specdistill import processes
 from tests.test_other_targets import CHAT
 
 DRAFTS = {"eagle": "{kind: eagle}", "eagle3": "{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}",

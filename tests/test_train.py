@@ -143,10 +143,10 @@ def test_training_hands_freed_host_memory_back():
 def test_a_stage_started_after_an_in_process_group_joins_its_own():
     """An in-process run (a test, a notebook) keeps its 1-process group listening on its port: a stage started
     from there as a child must not inherit that MASTER_PORT (it failed with EADDRINUSE in CI)."""
-    from specdistill.train.processes import join
+    from specdistill.processes import join
 
     assert join(torch.device("cpu")) == (0, 1)
-    child = "import torch; from specdistill.train.processes import join; print(join(torch.device('cpu')))"
+    child = "import torch; from specdistill.processes import join; print(join(torch.device('cpu')))"
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert done.returncode == 0, done.stderr[-2000:]

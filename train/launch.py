@@ -3,24 +3,27 @@
 One process (num_gpus 1, one node, no hostfile) runs in-process, saving the launcher's start-up;
 otherwise the DeepSpeed launcher starts `specdistill.train.loop` once per process. Both run the
 same `loop.train`. The resolved recipe and the DeepSpeed config are written beside the checkpoints.
-The recipe's `device` sets DeepSpeed's accelerator and the processes' environment (train/processes.py).
+The recipe's `device` sets DeepSpeed's accelerator and the processes' environment (specdistill/processes.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from specdistill import device as devices
 from specdistill import integrity, layout
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest, read_metrics, read_yaml, write_json_atomic, write_yaml
+from specdistill.processes import launcher_command, launcher_port, process_env, remove_shm_buffers, use_accelerator
 from specdistill.recipe import recipe_dump
+from specdistill.train import preemption
 from specdistill.train.ds_config import build_ds_config
 from specdistill.train.loop import train
-from specdistill.train.processes import launcher_command, launcher_port, process_env, remove_shm_buffers, use_accelerator
 
 
 def write_run_files(recipe) -> Path:
@@ -128,11 +131,6 @@ def run(recipe, args=None, stop_after: int | None = None):
 def run_launcher(recipe, cmd: list[str], env: dict) -> int:
     """Run the DeepSpeed launcher in a process group of its own, passing SIGTERM / SIGINT on to all of it, and
     wait for every process of the group; then say how it ended: preempted, a dead rank named, or a failure."""
-    import signal
-    import time
-
-    from specdistill.train import preemption
-
     run_dir = recipe.run_dir
     preemption.clear_records(run_dir)
     since = time.time()

@@ -34,11 +34,12 @@ from specdistill.data.cache_reader import OnlineDataset, collate, open_cache
 from specdistill.errors import Preempted, SpecdistillError
 from specdistill.eval.chain_tau import heldout_chain_tau
 from specdistill.formats import append_jsonl, read_jsonl, read_metrics, write_jsonl
+from specdistill.processes import join, use_accelerator
 from specdistill.recipe import load_recipe
+from specdistill.strict import strict_device_from_env
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
 from specdistill.train import checkpoint, preemption
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
-from specdistill.train.processes import join, use_accelerator
 from specdistill.train.report_to import Reporters
 
 
@@ -271,7 +272,7 @@ def _train_step(run: RunState, ds_engine, batches, step: int) -> dict:
     sums, tokens = None, torch.zeros((), dtype=torch.long, device=run.device)
     accum = tc.gradient_accumulation_steps
     grad_norm = None
-    objective.progress = step / tc.max_steps  # the hybrid objective's ramp (train/objective.py)
+    objective.progress = step / tc.max_steps  # the hybrid objective's ramp (specdistill/objective/base.py)
     for m in range(accum):
         batch = to_device(next(batches), run.device)
         k = m * world + run.rank  # the micro batch's index in the global batch: same noise for any world size
@@ -369,8 +370,6 @@ def main(argv=None) -> int:
         print(f"specdistill train: error: {e}", flush=True)
         return 1
     rank = int(os.environ.get("RANK", 0))
-    from specdistill.cli import strict_device_from_env
-
     try:
         with strict_device_from_env():  # a launcher rank honours SPECDISTILL_STRICT_DEVICE as `specdistill` does
             train(recipe, stop_after=args.stop_after)

@@ -15,7 +15,7 @@ from specdistill.section import Section
 
 
 class LossConfig(Section):
-    """The distribution loss every kind trains with (train/losses.py)."""
+    """The distribution loss every kind trains with (specdistill/objective/losses.py)."""
     terms: dict[Literal[NAMES], float] = Field(default_factory=lambda: {"fkl": 1.0})
     temperature: float = Field(1.0, gt=0.0)
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)

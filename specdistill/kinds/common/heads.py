@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from specdistill.eval.runtime import crop_cache, new_cache
-from specdistill.eval.sampling import pick, stack_draws
-from specdistill.eval.tree import TreeDrafter
+from specdistill.decoding.kv import crop_cache, new_cache
+from specdistill.decoding.sampling import pick, stack_draws
+from specdistill.decoding.tree_drafter import TreeDrafter
 
 
 def checkpoint_config(head) -> dict:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.eval.runtime import crop_cache, new_cache
-from specdistill.eval.sampling import pick, stack_draws
+from specdistill.decoding.kv import crop_cache, new_cache
+from specdistill.decoding.sampling import pick, stack_draws
 from specdistill.target import check_same_vocab
 
 

@@ -6,11 +6,10 @@ import torch
 
 from specdistill.errors import SpecdistillError
 from specdistill.target import target_logits_from_hidden
-from specdistill.train import objective
-from specdistill.train.objective import counted
+from specdistill.objective.base import BaseObjective, counted
 
 
-class Objective(objective.Objective):
+class Objective(BaseObjective):
     def forward(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         """q at every trained position; p from the cached top-k, else from lm_head(hidden_last)."""
         ids, parts = batch["input_ids"], self.parts

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.runtime import new_cache
+from specdistill.decoding.kv import new_cache
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle.model import EagleHead
 from specdistill.metrics import acceptance, simulated_tau, top1_match
 from specdistill.target import target_logits_from_hidden
-from specdistill.train import losses, objective
-from specdistill.train.objective import counted
+from specdistill.objective import losses
+from specdistill.objective.base import BaseObjective, counted
 
 EAGLE_DEPTHS = 3  # drafting unrolled this deep on the held-out split (EAGLE-3 unrolls its ttt_steps)
 
@@ -31,7 +31,7 @@ def feature_std(data) -> float:
     return torch.cat([data[i]["hidden_last"].float().flatten(1) for i in range(min(8, len(data)))]).std().item()
 
 
-class Objective(objective.Objective):
+class Objective(BaseObjective):
     def __init__(self, head, parts, loss_cfg, data=None):
         super().__init__(head, parts, loss_cfg)
         self.feature_std = feature_std(data) if data is not None else 1.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from specdistill.errors import SpecdistillError
-from specdistill.eval.runtime import SlotCache, _rms_norm, chain_mask
-from specdistill.eval.sampling import probs_from_logits, sample
+from specdistill.decoding.kv import SlotCache, chain_mask, rms_norm
+from specdistill.decoding.sampling import probs_from_logits, sample
 from specdistill.kinds.common.heads import HeadDrafter
 from specdistill.kinds.eagle3.model import Eagle3Head
 from specdistill.target import vocab_size_of
@@ -35,10 +35,10 @@ class StaticEagle3Head:
         cache.check(past + m)
         slots = torch.arange(past, past + m, device=ids.device)
         emb = self.head.embed_tokens(ids[None]).to(state.dtype)
-        x = torch.cat([_rms_norm(emb, layer.input_layernorm), _rms_norm(state, layer.hidden_norm)], dim=-1)
+        x = torch.cat([rms_norm(emb, layer.input_layernorm), rms_norm(state, layer.hidden_norm)], dim=-1)
         h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
         mlp = layer.mlp
-        g = _rms_norm(h, layer.post_attention_layernorm)
+        g = rms_norm(h, layer.post_attention_layernorm)
         return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(g)) * mlp.up_proj(g))
 
 

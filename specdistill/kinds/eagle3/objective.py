@@ -13,8 +13,8 @@ from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle3.model import Eagle3Head
 from specdistill.metrics import acceptance, divergences, predicted_alpha, simulated_tau, top1_match, total_variation_outside
 from specdistill.target import target_logits_from_hidden
-from specdistill.train import losses, objective
-from specdistill.train.objective import counted
+from specdistill.objective import losses
+from specdistill.objective.base import BaseObjective, counted
 
 
 def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps: int, noise: float = 0.0,
@@ -44,7 +44,7 @@ def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps
     return outs
 
 
-class Objective(objective.Objective):
+class Objective(BaseObjective):
     def step_positions(self, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(first, counted): step s at position t predicts token t+2+s. `first`: step 0 at every trained
         position (what the offline metrics measure, draft-vocabulary misses included); counted[s]: step s

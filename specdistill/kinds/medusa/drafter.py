@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.eval.sampling import pick, stack_draws
-from specdistill.eval.tree import DraftTree
+from specdistill.decoding.sampling import pick, stack_draws
+from specdistill.decoding.tree_drafter import DraftTree
 from specdistill.kinds.medusa.model import MedusaHeads
 from specdistill.target import check_same_vocab
 

@@ -13,8 +13,8 @@ import torch
 from specdistill.errors import SpecdistillError
 from specdistill.metrics import divergences, simulated_tau
 from specdistill.target import target_logits_from_hidden
-from specdistill.train import losses, objective
-from specdistill.train.objective import counted
+from specdistill.objective import losses
+from specdistill.objective.base import BaseObjective, counted
 
 
 def head_positions(batch: dict, num_heads: int) -> list[torch.Tensor]:
@@ -30,7 +30,7 @@ def head_positions(batch: dict, num_heads: int) -> list[torch.Tensor]:
     return out
 
 
-class Objective(objective.Objective):
+class Objective(BaseObjective):
     def forward(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         """Per head k, q and the target's p logits at its counted positions (`steps`; head 0's also at the top
         level, the first drafted token the first-draft metrics measure)."""

@@ -46,7 +46,7 @@ def topk_logprobs(topk_logprobs_t1: torch.Tensor, topk_ids: torch.Tensor, tail_m
 
 
 def distribution_logprobs(pred: dict, temperature: float):
-    """(log p, log q) of a prediction (train/objective.py): full vocabulary, or top-k + tail bucket."""
+    """(log p, log q) of a prediction (specdistill/objective/base.py): full vocabulary, or top-k + tail bucket."""
     if "topk_ids" in pred:
         return topk_logprobs(pred["topk_logprobs"], pred["topk_ids"], pred["tail_mass"], pred["q_logits"], temperature)
     return full_vocab_logprobs(pred["p_logits"], pred["q_logits"], temperature)

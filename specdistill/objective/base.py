@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdistill.train import losses
-from specdistill.train.offline_metrics import first_draft_metrics
+from specdistill.objective import losses
+from specdistill.objective.offline_metrics import first_draft_metrics
 
 
 def counted(batch: dict, key: str = "loss_mask") -> torch.Tensor:
@@ -20,7 +20,7 @@ def counted(batch: dict, key: str = "loss_mask") -> torch.Tensor:
     return batch[key].bool() & batch["attention_mask"].bool()
 
 
-class Objective(nn.Module):
+class BaseObjective(nn.Module):
     """The base: the head as its one submodule (what DeepSpeed trains and saves); the target's frozen
     parts and the loss settings as plain attributes. The default loss is the distribution loss."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdistill.metrics import divergences, predicted_alpha, top1_match
-from specdistill.train.losses import distribution_logprobs
+from specdistill.objective.losses import distribution_logprobs
 
 FULL_VOCABULARY = "full vocabulary"
 
