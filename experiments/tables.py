@@ -144,6 +144,47 @@ def default_run_chosen_k(results: dict) -> list[list[str]]:
     return rows
 
 
+def planned_run(results: dict) -> list[list[str]]:
+    """`make distill` under its time budget: what the plan sized, what the head reached in our eval and served
+    by vLLM, then one row of each stage's planned and measured minutes."""
+    arm = results["main"]
+    plan = arm["plan"]
+    sized = dict(o.split("=", 1) for o in plan["overrides"])
+    ev = last_eval(arm)
+    by_t = {r["temperature"]: r for r in ev["results"]}
+    t0, t1 = by_t[0.0], by_t.get(1.0)
+    tree = t0.get("tree")
+    lookup = (ev.get("comparators") or {}).get("hf_prompt_lookup")
+    served_record = arm["served"][sorted(arm["served"])[-1]]
+    engines = {e["name"]: e for e in served_record["engines"]}
+    head = next(e for e in served_record["engines"] if e.get("fit_to_deploy") is not None)
+    by_served_t = {r["temperature"]: r for r in head["results"]}
+
+    def vllm_speedup(name):
+        r = next((r for r in (engines.get(name) or {}).get("results", []) if r["temperature"] == 0.0), None)
+        return times(r["speedup"]) if r else "—"
+
+    served_tau = " / ".join(f"{f2(by_served_t[t]['tau'])} ({f2(by_served_t[t]['ours']['tau'])})"
+                            for t in sorted(by_served_t))
+    row = [f"{int(sized['corpus.max_rows']):,} rows, {sized['train.max_steps']} steps (×{plan['scale']:.2f})",
+           f"{ev['tokens_seen']:,}", f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
+           f"{ev['offline']['heldout']['chain_tau']['0']:.3f}",
+           f2(t0["tau"]) + (" lossless" if t0["lossless"] else " **not lossless**"),
+           times(t0["speedup"], t0.get("speedup_ci95")),
+           f"{times(t0['speedup_vs_fastest_plain'])} ({t0['fastest_plain']})" if ev.get("comparators") else "not timed",
+           times(lookup["speedup"]) if lookup else "not timed",
+           f"{f2(t1['tau'])} / {times(t1['speedup'], t1.get('speedup_ci95'))}" if t1 else "",
+           (f"{f2(tree['tau'])} / {times(tree['speedup'])}" + ("" if tree["lossless"] else " not lossless"))
+           if tree else "",
+           served_tau, "yes" if head["fit_to_deploy"] else "**no**: " + "; ".join(head["not_fit_because"]),
+           " / ".join(vllm_speedup(n) for n in (head["name"], "ngram", "suffix"))]
+    planned, took = plan["estimate_s"], arm["stage_seconds"]
+    text = " · ".join(f"{s} {took[s] / 60:.1f} ({planned[s] / 60:.1f})" for s in took)
+    total = sum(took.values())
+    return [row, [f"minutes per stage, measured (planned): {text} · total {total / 60:.1f} ({plan['total_s'] / 60:.1f}, "
+                  f"{total / plan['total_s'] - 1:+.0%}) on {plan['machine']}"] + [""] * (len(row) - 1)]
+
+
 def peer(results: dict) -> list[list[str]]:
     """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
     return peer_bench.rows(results["main"])
@@ -153,4 +194,4 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "scaling": scaling, "runtime-bench": runtimes,
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
-                                                      "served-parity": served}
+                                                      "served-parity": served, "default-90min-avx2": planned_run}
