@@ -1,0 +1,99 @@
+"""Prompt lookup and the lookup/head hybrid (specdistill/decoding/lookup.py, hybrid.py): lossless like any
+drafter, and the head behind the hybrid drafts as if it had read every target state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.decoding.hybrid import HybridDrafter
+from specdistill.decoding.lookup import PromptLookup
+from specdistill.eval.engine import SpeculativeDecoder, make_drafter
+from specdistill.kinds.eagle.drafter import EagleDrafter
+from tests.test_engine import JOINT_VOCAB, PROMPTS, drafts_for, eagle_for, joint_pvalue, llama
+from tests.test_medusa import medusa_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# prompts whose n-grams recur, so lookup drafts on some steps and the head on others
+REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 11, 12, 13, 11, 12], *PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama(512, seed=0)
+
+
+def test_lookup_drafts_the_continuation_of_the_most_recent_occurrence():
+    lookup = PromptLookup(vocab_size=32, min_ngram=2, max_ngram=3)
+    seq = torch.tensor([5, 6, 1, 5, 6, 2, 3, 5, 6])
+    assert lookup.match(seq, 9, 2).tolist() == [2, 3]  # [5, 6] recurs at 0 and 3: the continuation of 3's
+    assert lookup.match(seq, 9, 9).tolist() == [2, 3, 5, 6]  # cut at the committed tokens
+    assert lookup.match(torch.tensor([1, 2, 3, 4]), 4, 3).tolist() == []  # nothing recurs
+    assert lookup.match(torch.tensor([1, 2, 9, 1, 2]), 5, 3).tolist() == [9, 1, 2]
+    assert PromptLookup(32, 3, 3).match(torch.tensor([1, 2, 9, 1, 2]), 5, 3).tolist() == []  # a 2-gram is too short
+    tokens, q = lookup.propose(seq, 9, None, 2, 1.0, None)
+    assert q.shape == (2, 32) and q.sum(1).tolist() == [1.0, 1.0] and q[0, 2] == 1 and q[1, 3] == 1
+
+
+def heads(target):
+    return {**drafts_for(target), "medusa": medusa_for(target)}
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_identical_to_baseline(target, k):
+    baseline = SpeculativeDecoder(target, None)
+    for name, draft in heads(target).items():
+        hybrid = HybridDrafter(make_drafter(draft, target), PromptLookup(512))
+        engine = SpeculativeDecoder(target, hybrid, k=k)
+        used = {"lookup": 0, "head": 0}
+        for prompt in REPEATING:
+            assert engine.decode(prompt, 24).tokens == baseline.decode(prompt, 24).tokens, (name, k, prompt)
+            used = {s: used[s] + hybrid.steps[s] for s in used}
+        assert used["lookup"] and used["head"], (name, used)  # both sources drafted
+    lookup_alone = SpeculativeDecoder(target, PromptLookup(512), k=k)
+    for prompt in REPEATING:
+        assert lookup_alone.decode(prompt, 24).tokens == baseline.decode(prompt, 24).tokens, (k, prompt)
+
+
+def test_head_after_lookup_steps_drafts_as_a_from_scratch_head(target):
+    """The steps lookup drafted still reach the head: each of its drafts equals the head run without any
+    cache on the target's real features of everything committed."""
+    head = eagle_for(target)
+    seen = []
+
+    class Recorder(EagleDrafter):
+        def propose(self, seq, n, new_features, k, temperature, generator):
+            ids, q = super().propose(seq, n, new_features, k, temperature, generator)
+            seen.append((seq[:n].clone(), ids.clone()))
+            return ids, q
+
+    hybrid = HybridDrafter(Recorder(head), PromptLookup(512, min_ngram=1, max_ngram=2))
+    SpeculativeDecoder(target, hybrid, k=3).decode(REPEATING[0], 24)
+    assert hybrid.steps["lookup"] >= 2 and len(seen) >= 2, hybrid.steps
+    with torch.no_grad():
+        for prefix, drafts in seen:
+            feats = target(prefix[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+            tokens = prefix[1:]
+            for d in drafts:
+                h = head(tokens[None], feats[None])[0]
+                assert int(head.logits(h[-1]).argmax()) == int(d)
+                tokens = torch.cat([tokens, d.view(1)])
+                feats = torch.cat([feats, h[-1:]])
+
+
+@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle3"])
+def test_hybrid_sampling_distribution_matches_target(draft_name):
+    """T = 1: the first 3 tokens' joint against p(t1, t2, t3), lookup (any recurring token) or the head drafting."""
+    def hybrid(tgt, draft):
+        return SpeculativeDecoder(tgt, HybridDrafter(make_drafter(draft, tgt), PromptLookup(JOINT_VOCAB, 1, 1)), k=2)
+
+    pvalue, accepted = joint_pvalue(draft_name, make_decoder=hybrid)
+    assert 0 < accepted[0] and 0 < accepted[1], accepted
+    assert pvalue > 1e-3, (draft_name, pvalue)
+
+
+def test_lookup_sampling_distribution_matches_target():
+    pvalue, accepted = joint_pvalue("draft_lm", make_decoder=lambda tgt, d: SpeculativeDecoder(
+        tgt, PromptLookup(JOINT_VOCAB, 1, 1), k=2))
+    assert 0 < accepted[0], accepted  # lookup drafts and is judged (within 3 tokens it rarely reaches depth 2)
+    assert pvalue > 1e-3, pvalue
