@@ -166,19 +166,21 @@ def test_eos_stops(target):
         assert out.tokens == base[:base.index(eos) + 1] and out.stop == "eos"
 
 
-def test_eagle_drafts_equal_a_from_scratch_head_run(target):
-    """Each step's K drafts must equal the head run without any cache on the target's real features."""
-    head = eagle_for(target)
-    seen = []
+class RecordingEagleDrafter(EagleDrafter):
+    """An EAGLE-1 drafter that keeps (the committed prefix, its drafts) of every call in `seen`."""
 
-    class Recorder(EagleDrafter):
-        def propose(self, seq, n, new_features, k, temperature, generator):
-            ids, q = super().propose(seq, n, new_features, k, temperature, generator)
-            seen.append((seq[:n].clone(), ids.clone()))
-            return ids, q
+    def __init__(self, head):
+        super().__init__(head)
+        self.seen = []
 
-    SpeculativeDecoder(target, Recorder(head), k=3).decode(PROMPTS[0], 16)
-    assert len(seen) > 2
+    def propose(self, seq, n, new_features, k, temperature, generator):
+        ids, q = super().propose(seq, n, new_features, k, temperature, generator)
+        self.seen.append((seq[:n].clone(), ids.clone()))
+        return ids, q
+
+
+def assert_drafts_from_scratch(target, head, seen) -> None:
+    """Each (prefix, drafts) equals the head run without any cache on the target's real features of the prefix."""
     with torch.no_grad():
         for prefix, drafts in seen:
             feats = target(prefix[None], output_hidden_states=True).hidden_states[-1][0, :-1]
@@ -188,6 +190,15 @@ def test_eagle_drafts_equal_a_from_scratch_head_run(target):
                 assert int(head.logits(h[-1]).argmax()) == int(d)
                 tokens = torch.cat([tokens, d.view(1)])
                 feats = torch.cat([feats, h[-1:]])
+
+
+def test_eagle_drafts_equal_a_from_scratch_head_run(target):
+    """Each step's K drafts must equal the head run without any cache on the target's real features."""
+    head = eagle_for(target)
+    drafter = RecordingEagleDrafter(head)
+    SpeculativeDecoder(target, drafter, k=3).decode(PROMPTS[0], 16)
+    assert len(drafter.seen) > 2
+    assert_drafts_from_scratch(target, head, drafter.seen)
 
 
 def test_different_vocab_stops_with_clear_error(target):

@@ -8,8 +8,8 @@ import torch
 from specdistill.decoding.hybrid import HybridDrafter
 from specdistill.decoding.lookup import PromptLookup
 from specdistill.eval.engine import SpeculativeDecoder, make_drafter
-from specdistill.kinds.eagle.drafter import EagleDrafter
-from tests.test_engine import JOINT_VOCAB, PROMPTS, drafts_for, eagle_for, joint_pvalue, llama
+from tests.test_engine import (JOINT_VOCAB, PROMPTS, RecordingEagleDrafter, assert_drafts_from_scratch,
+                               drafts_for, eagle_for, joint_pvalue, llama)
 from tests.test_medusa import medusa_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,26 +59,11 @@ def test_head_after_lookup_steps_drafts_as_a_from_scratch_head(target):
     """The steps lookup drafted still reach the head: each of its drafts equals the head run without any
     cache on the target's real features of everything committed."""
     head = eagle_for(target)
-    seen = []
-
-    class Recorder(EagleDrafter):
-        def propose(self, seq, n, new_features, k, temperature, generator):
-            ids, q = super().propose(seq, n, new_features, k, temperature, generator)
-            seen.append((seq[:n].clone(), ids.clone()))
-            return ids, q
-
-    hybrid = HybridDrafter(Recorder(head), PromptLookup(512, min_ngram=1, max_ngram=2))
+    drafter = RecordingEagleDrafter(head)
+    hybrid = HybridDrafter(drafter, PromptLookup(512, min_ngram=1, max_ngram=2))
     SpeculativeDecoder(target, hybrid, k=3).decode(REPEATING[0], 24)
-    assert hybrid.steps["lookup"] >= 2 and len(seen) >= 2, hybrid.steps
-    with torch.no_grad():
-        for prefix, drafts in seen:
-            feats = target(prefix[None], output_hidden_states=True).hidden_states[-1][0, :-1]
-            tokens = prefix[1:]
-            for d in drafts:
-                h = head(tokens[None], feats[None])[0]
-                assert int(head.logits(h[-1]).argmax()) == int(d)
-                tokens = torch.cat([tokens, d.view(1)])
-                feats = torch.cat([feats, h[-1:]])
+    assert hybrid.steps["lookup"] >= 2 and len(drafter.seen) >= 2, hybrid.steps
+    assert_drafts_from_scratch(target, head, drafter.seen)
 
 
 @pytest.mark.parametrize("draft_name", ["draft_lm", "eagle3"])
