@@ -84,11 +84,12 @@ def arm_recipe(exp: Experiment, arm: str) -> dict:
 
 
 def pinned_recipe(exp: Experiment, arm: str):
-    """The recipe of one arm: the pinned recipe with the arm's overrides, through the recipe loader."""
+    """The recipe of one arm: the pinned recipe with the arm's overrides, through the recipe loader; never a plan's
+    sizes (a run of the same name may have left one in its run dir; each stage applies it itself)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
         fh.write(json.dumps(exp.recipe))  # JSON is YAML
     try:
-        return load_recipe(fh.name, exp.arms[arm])
+        return load_recipe(fh.name, exp.arms[arm], planned=False)
     except SpecdistillError as e:
         raise SpecdistillError(f"{path_of(exp.name)}: arm {arm!r}: {e}") from None
     finally:

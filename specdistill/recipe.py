@@ -322,7 +322,9 @@ def _coerce_numbers(tree):
     return tree
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: list[str] = (), planned: bool = True) -> Recipe:
+    """The recipe at `path` with `overrides`; with `planned` (what every stage reads), the sizes of its run's plan
+    over it (`_with_plan`), else the recipe as written (what an experiment file pins)."""
     path = Path(path)
     if not path.is_file():
         raise SpecdistillError(f"recipe {path}: no such file")
@@ -343,7 +345,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if recipe.run_name is None:
         recipe.run_name = path.stem
     recipe.source = str(path)
-    return _with_plan(recipe, tree, path)
+    return _with_plan(recipe, tree, path) if planned else recipe
 
 
 def plan_key(recipe: Recipe) -> dict:
