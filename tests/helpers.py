@@ -3,16 +3,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from specdistill import kinds
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.recipe import load_recipe
 from specdistill.kinds.eagle.model import EagleHead
 from specdistill.kinds.common.weights import check_head_weights
 from specdistill.kinds.eagle.formats import check_config_fits
 from specdistill.kinds.eagle.model import scale_embedding_half
+
+
+# A tiny draft of any registry kind: these sizes, for the keys its `draft` section has (a kind added to the registry
+# is a tiny draft here with no edit).
+TINY_DRAFT = {"draft_vocab_size": 256, "ttt_steps": 2, "num_layers": 1, "num_heads": 2}
+
+
+def draft_section(kind_name: str) -> str:
+    """The recipe's `draft` section, in YAML flow style, of a tiny draft of `kind_name`."""
+    fields = kinds.kind(kind_name).Config.model_fields
+    sizes = "".join(f", {key}: {value}" for key, value in TINY_DRAFT.items() if key in fields)
+    return f"{{kind: {kind_name}{sizes}}}"
 
 
 def tiny_recipe(tmp_path: Path, target_dir: Path, eval_section: str = "{k: 3}"):

@@ -6,16 +6,17 @@ import json
 
 import pytest
 
+from specdistill import kinds
 from specdistill.cli import main
 from specdistill.formats import read_manifest
+from tests.helpers import draft_section
 from tests.test_other_targets import CHAT
 
 
 def run(tmp_path, target_dir, kind: str, mode: str) -> tuple[list[dict], dict, dict]:
     corpus = tmp_path / "chat.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
-    draft = {"eagle": "{kind: eagle}", "eagle3": "{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}",
-             "draft_lm": "{kind: draft_lm, num_layers: 1}"}[kind]
+    draft = draft_section(kind)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'runs'}\ntarget: {{path: {target_dir}}}\n"
                       f"corpus: {{path: {corpus}, format: messages, max_length: 64, heldout_fraction: 0.2}}\n"
@@ -31,7 +32,7 @@ def run(tmp_path, target_dir, kind: str, mode: str) -> tuple[list[dict], dict, d
     return log, manifest, metrics
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_lm"])
+@pytest.mark.parametrize("kind", kinds.KIND_NAMES)
 def test_online_training_matches_offline(tmp_path, tiny_target_dir, monkeypatch, kind):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     off, off_manifest, off_metrics = run(tmp_path, tiny_target_dir, kind, "offline")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors import safe_open
 
-from specdistill import layout
+from specdistill import kinds, layout
 from specdistill.cli import main
 from specdistill.eval.results import recipe_runtime
 from specdistill.recipe import load_recipe
 from tests.conftest import tiny_model
+from tests.helpers import draft_section
 
 FAMILIES = ["llama", "qwen3", "gemma3_text"]
 CHAT = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
@@ -23,9 +23,8 @@ STAGES = ["prepare", "cache", "train", "eval", "report", "export"]
 TOY = ["train.max_steps=2", "train.save_every=2", "train.micro_batch_size=4", "train.warmup_steps=1",
        "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.temperature=0", "eval.comparators=false",
        "eval.checkpoints=last", "eval.k=2", "corpus.heldout_fraction=0.2"]
-DRAFT = {"eagle": "{kind: eagle}", "eagle3": "{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}",
-         "draft_lm": "{kind: draft_lm, num_layers: 1}", "medusa": "{kind: medusa, num_heads: 2, num_layers: 1}"}
-FORMAT = {"eagle": "vllm-eagle", "eagle3": "vllm-eagle3", "draft_lm": "hf", "medusa": "vllm-medusa"}
+DRAFT = {name: draft_section(name) for name in kinds.KIND_NAMES}  # every kind of the registry, tiny
+FORMAT = {name: kinds.kind(name).EXPORT_FORMATS[0] for name in kinds.KIND_NAMES}  # each kind's default export
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from specdistill import device as devices
+from specdistill import kinds
 from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest
 from specdistill import processes
+from tests.helpers import draft_section
 from tests.test_other_targets import CHAT
 
-DRAFTS = {"eagle": "{kind: eagle}", "eagle3": "{kind: eagle3, draft_vocab_size: 256, ttt_steps: 2}",
-          "draft_lm": "{kind: draft_lm, num_layers: 1}"}
 
 
 def write_recipe(tmp_path: Path, target_dir: Path, kind: str, mode: str = "offline", extra: str = "") -> Path:
@@ -31,15 +31,14 @@ def write_recipe(tmp_path: Path, target_dir: Path, kind: str, mode: str = "offli
     recipe = tmp_path / f"{kind}-{mode}.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'runs'}\ntarget: {{path: {target_dir}}}\n"
                       f"corpus: {{path: {corpus}, format: messages, max_length: 64, heldout_fraction: 0.2}}\n"
-                      f"cache: {{dtype: float32, mode: {mode}, topk: 8}}\ndraft: {DRAFTS[kind]}\n"
+                      f"cache: {{dtype: float32, mode: {mode}, topk: 8}}\ndraft: {draft_section(kind)}\n"
                       f"train: {{max_steps: 1, save_every: 1, micro_batch_size: 4, warmup_steps: 1}}\n{extra}")
     return recipe
 
 
 # ---- strict device: every stage of this scope, every draft kind ----------------------------------------------
 
-@pytest.mark.parametrize("kind,mode", [("eagle", "offline"), ("eagle3", "offline"), ("draft_lm", "offline"),
-                                       ("eagle3", "online")])
+@pytest.mark.parametrize("kind,mode", [*((name, "offline") for name in kinds.KIND_NAMES), ("eagle3", "online")])
 def test_cache_pass_and_a_training_step_create_no_tensor_without_a_device(tmp_path, tiny_target_dir, monkeypatch,
                                                                           kind, mode):
     """The cache pass, one training step (feature noise, loss, collectives, DataLoader) and the checkpoint's
