@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdistill import kinds, metrics
+from specdistill.objective.offline_metrics import FirstDraftSums
 
 
 def reduced_draft_ids(draft, vocab_size: int) -> torch.Tensor | None:
@@ -44,11 +45,8 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     f[t]), one step ahead, exactly as in training.
     """
     draft_kind = kinds.kind_of(draft)
-    sums = {"fkl": 0.0, "tvd": 0.0, "top1": 0.0}
     reduced = reduced_draft_ids(draft, target.config.vocab_size)
-    if reduced is not None:
-        sums["vocab_coverage"] = 0.0
-    positions = 0
+    sums = FirstDraftSums(("fkl", "tvd", "top1") + (("vocab_coverage",) if reduced is not None else ()))
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
@@ -58,20 +56,17 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
         log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
         log_q = torch.log_softmax(q_logits[rows].float() / temperature, -1)
         per = metrics.divergences(log_p, log_q, ("fkl", "tvd"))
-        sums["fkl"] += per["fkl"].sum().item()
-        sums["tvd"] += per["tvd"].sum().item()
-        sums["top1"] += metrics.top1_match(log_p, log_q).sum().item()
+        extra = {}
         if reduced is not None:  # the target's probability mass inside the draft vocabulary (held-out's definition)
-            sums["vocab_coverage"] += log_p.exp()[:, reduced.to(log_p.device)].sum(-1).sum().item()
-        positions += log_p.shape[0]
-    if positions == 0:
+            extra["vocab_coverage"] = log_p.exp()[:, reduced.to(log_p.device)].sum(-1)
+        sums.add(log_p.shape[0], fkl=per["fkl"], tvd=per["tvd"], top1=metrics.top1_match(log_p, log_q), **extra)
+    if sums.positions == 0:
         return {"positions": 0}
-    out = {k: v / positions for k, v in sums.items()}
-    out["predicted_alpha"] = metrics.predicted_alpha(out["tvd"])
+    out = sums.means()
     out["distribution"] = "full vocabulary"
     if draft_kind.PROMPTS_FKL_NOTE:  # q is zero outside a reduced draft vocabulary: KL(p||q) is infinite there
         out["fkl"] = None
         out["note"] = draft_kind.PROMPTS_FKL_NOTE
         out["distribution"] = f"full vocabulary (q zero outside the {draft_kind.LABEL} draft vocabulary)"
-    return {**out, "positions": positions, "temperature": temperature,
+    return {**out, "positions": sums.positions, "temperature": temperature,
             "continuations": continuations_label or "the target's own greedy outputs (baseline, T=0)"}

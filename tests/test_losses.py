@@ -165,3 +165,23 @@ def test_griffin_weighting_drops_steps_whose_input_was_already_wrong():
                                                                              ttt_wrong_weight=weight))
         _, parts = objective.loss(pred)
         assert parts["step1"].item() == pytest.approx(want.item(), rel=1e-6), weight
+
+
+def test_offline_accumulators_sum_per_position_and_stop_at_the_first_empty_depth():
+    """The one accumulator of the offline numbers (FirstDraftSums, DepthSums), against sums by hand."""
+    from specdistill.objective.offline_metrics import DepthSums, FirstDraftSums
+
+    first = FirstDraftSums()
+    first.add(2, fkl=torch.tensor([0.5, 1.5]), tvd=torch.tensor([0.25, 0.75]), top1=torch.tensor([True, False]))
+    first.add(1, fkl=3.0, tvd=0.2, top1=1)  # sums already taken
+    assert first.means() == pytest.approx({"fkl": 5.0 / 3, "tvd": 0.4, "top1": 2 / 3, "predicted_alpha": 0.6})
+    assert first.positions == 3
+    depths = DepthSums()
+    depths.add(0, torch.tensor([True, True, False, True]), torch.tensor([0.9, 0.8, 0.3, 0.6]), 4)
+    depths.add(1, 1, 0.5, 2)
+    depths.add(3, 1, 1.0, 1)  # after a depth with no position: not counted
+    got = depths.result("by hand")
+    assert got["positions_at"] == [4, 2] and got["top1_at"] == [0.75, 0.5]
+    assert got["alpha_at"] == pytest.approx([0.65, 0.25])
+    assert got["simulated_tau"] == pytest.approx({"0": 1 + 0.75 + 0.75 * 0.5, "1": 1 + 0.65 + 0.65 * 0.25})
+    assert DepthSums().result("none") == {}

@@ -10,10 +10,11 @@ from specdistill.errors import SpecdistillError
 from specdistill.decoding.kv import new_cache
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle.model import EagleHead
-from specdistill.metrics import acceptance, simulated_tau, top1_match
+from specdistill.metrics import acceptance, top1_match
 from specdistill.target import target_logits_from_hidden
 from specdistill.objective import losses
 from specdistill.objective.base import BaseObjective, counted
+from specdistill.objective.offline_metrics import DepthSums
 
 EAGLE_DEPTHS = 3  # drafting unrolled this deep on the held-out split (EAGLE-3 unrolls its ttt_steps)
 
@@ -80,19 +81,12 @@ class Objective(BaseObjective):
         out = super().offline_metrics(batches)
         if not out["positions"]:
             return out
-        hits, overlap, n = [0] * EAGLE_DEPTHS, [0.0] * EAGLE_DEPTHS, [0] * EAGLE_DEPTHS
+        depths = DepthSums()
         for batch in batches:
             if "hidden_last" in batch:
-                for i, (a, b, c) in enumerate(zip(*self.unrolled_acceptance(batch))):
-                    hits[i], overlap[i], n[i] = hits[i] + a, overlap[i] + b, n[i] + c
-        if any(n):
-            n = [c for c in n if c]
-            out["top1_at"] = [a / c for a, c in zip(hits, n)]
-            out["alpha_at"] = [b / c for b, c in zip(overlap, n)]
-            out["positions_at"] = n
-            out["simulated_tau"] = {"0": simulated_tau(out["top1_at"]), "1": simulated_tau(out["alpha_at"])}
-            out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance at depth i over {len(n)} drafting "
-                                         "depths unrolled on the head's own features (T=0: top1_at, T=1: alpha_at)")
+                for depth, counts in enumerate(zip(*self.unrolled_acceptance(batch))):
+                    depths.add(depth, *counts)
+        out.update(depths.result("drafting depths unrolled on the head's own features (T=0: top1_at, T=1: alpha_at)"))
         return out
 
     @torch.no_grad()

@@ -11,10 +11,11 @@ from transformers import DynamicCache
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import ttt_mask
 from specdistill.kinds.eagle3.model import Eagle3Head
-from specdistill.metrics import acceptance, divergences, predicted_alpha, simulated_tau, top1_match, total_variation_outside
+from specdistill.metrics import acceptance, divergences, top1_match, total_variation_outside
 from specdistill.target import target_logits_from_hidden
 from specdistill.objective import losses
 from specdistill.objective.base import BaseObjective, counted
+from specdistill.objective.offline_metrics import DepthSums, FirstDraftSums
 
 
 def ttt_forward(head: Eagle3Head, input_ids, aux_features, attention_mask, steps: int, noise: float = 0.0,
@@ -139,9 +140,7 @@ class Objective(BaseObjective):
         draft vocabulary (training's rule), which favours them slightly. `simulated_tau` = 1 + sum_k prod_{i<=k}
         of each, over the unrolled depths: the held-out prediction of the measured tau (T=0 and T=1)."""
         parts = self.parts
-        sums = {"tvd": 0.0, "top1": 0.0, "vocab_coverage": 0.0}
-        fkl_sum, fkl_n, positions = 0.0, 0, 0
-        step_hits, step_acc, step_n = [], [], []
+        first, fkl, depths = FirstDraftSums(("tvd", "top1", "vocab_coverage")), FirstDraftSums(("fkl",)), DepthSums()
         for batch in batches:
             pred = self(batch)
             ids = pred["draft_ids"]
@@ -151,48 +150,30 @@ class Objective(BaseObjective):
                 # q is zero outside the draft vocabulary: no [N, V] q (each full-vocabulary tensor is N x V
                 # floats; these metrics were the training's memory peak)
                 p_in = p[:, ids]
-                sums["tvd"] += total_variation_outside(p, p_in, q_d).sum().item()
-                sums["top1"] += top1_match(p, q_d, ids).sum().item()
-                sums["vocab_coverage"] += p_in.sum(-1).sum().item()
-                positions += p.shape[0]
+                hits = top1_match(p, q_d, ids)
+                first.add(p.shape[0], tvd=total_variation_outside(p, p_in, q_d), top1=hits, vocab_coverage=p_in.sum(-1))
+                depths.add(0, hits, acceptance(p_in, q_d), p.shape[0])  # depth 1: every trained position, full p
+                del p  # before the next depth's full-vocabulary p
             for s, step in enumerate(pred["steps"]):
-                if s == len(step_hits):
-                    step_hits.append(0)
-                    step_acc.append(0.0)
-                    step_n.append(0)
-                if s == 0 and pred["metric_q_logits"].shape[0]:  # depth 1: every trained position, full p
-                    step_hits[0] += top1_match(p, q_d, ids).sum().item()
-                    step_acc[0] += acceptance(p_in, q_d).sum().item()
-                    step_n[0] += p.shape[0]
-                    del p  # before the next depth's full-vocabulary p
                 n = step["q_logits"].shape[0]
                 if n and s > 0:
                     qs = torch.softmax(step["q_logits"].float(), -1)
                     full = self._full_p_at_step(batch, s, n)
                     if full is not None:
-                        step_hits[s] += top1_match(full, qs, ids).sum().item()
-                        step_acc[s] += acceptance(full[:, ids], qs).sum().item()
+                        depths.add(s, top1_match(full, qs, ids), acceptance(full[:, ids], qs), n)
                     else:  # over the draft vocabulary (p renormalised): an upper bound
                         ps = torch.softmax(step["p_logits"].float(), -1)
-                        step_hits[s] += top1_match(ps, qs).sum().item()
-                        step_acc[s] += acceptance(ps, qs).sum().item()
-                    step_n[s] += n
+                        depths.add(s, top1_match(ps, qs), acceptance(ps, qs), n)
                 if s == 0 and n:
                     log_p, log_q = losses.distribution_logprobs(step, 1.0)
-                    fkl_sum += divergences(log_p, log_q, ("fkl",))["fkl"].sum().item()
-                    fkl_n += n
+                    fkl.add(n, fkl=divergences(log_p, log_q, ("fkl",))["fkl"])
         label = "full vocabulary (q zero outside the draft vocabulary); fkl over the draft vocabulary"
         labels = {"fkl": "draft vocab", "tvd": "full vocabulary", "predicted_alpha": "full vocabulary",
                   "top1": "full vocabulary"}
-        if positions == 0:
+        if first.positions == 0:
             return {"positions": 0, "temperature": 1.0, "distribution": label, "labels": labels}
-        out = {k: v / positions for k, v in sums.items()}
-        out["predicted_alpha"] = predicted_alpha(out["tvd"])
-        out["fkl"] = fkl_sum / fkl_n if fkl_n else float("nan")
-        out["top1_at"] = [h / n if n else 0.0 for h, n in zip(step_hits, step_n)]
-        out["alpha_at"] = [a / n if n else 0.0 for a, n in zip(step_acc, step_n)]
-        out["positions_at"] = list(step_n)
-        out["simulated_tau"] = {"0": simulated_tau(out["top1_at"]), "1": simulated_tau(out["alpha_at"])}
-        out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance at depth i over the {len(step_n)} unrolled "
-                                     "depths (T=0: top1_at, T=1: alpha_at); held-out, teacher-forced tokens")
-        return {**out, "positions": positions, "temperature": 1.0, "distribution": label, "labels": labels}
+        out = first.means()
+        out["fkl"] = fkl.means()["fkl"] if fkl.positions else float("nan")
+        out.update(depths.result("unrolled training-time-test depths (T=0: top1_at, T=1: alpha_at); held-out, "
+                                 "teacher-forced tokens"))
+        return {**out, "positions": first.positions, "temperature": 1.0, "distribution": label, "labels": labels}

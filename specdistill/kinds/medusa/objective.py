@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from specdistill.errors import SpecdistillError
-from specdistill.metrics import divergences, simulated_tau
+from specdistill.metrics import acceptance, top1_match
 from specdistill.target import target_logits_from_hidden
 from specdistill.objective import losses
 from specdistill.objective.base import BaseObjective, counted
+from specdistill.objective.offline_metrics import DepthSums
 
 
 def head_positions(batch: dict, num_heads: int) -> list[torch.Tensor]:
@@ -69,26 +70,17 @@ class Objective(BaseObjective):
     @torch.no_grad()
     def offline_metrics(self, batches) -> dict:
         """First-draft metrics (head 0, `first_draft_metrics`), and per head k = draft depth k+1: `top1_at[k]`
-        (T=0 acceptance: argmax q = argmax p) and `alpha_at[k]` = 1 - tvd (T=1 acceptance), every head reading
+        (T=0 acceptance: argmax q = argmax p) and `alpha_at[k]` = sum min(p, q) (T=1 acceptance), every head reading
         the real state f[t] exactly as when drafting; `simulated_tau` = 1 + sum_k prod_(i<=k) of each."""
         out = super().offline_metrics(batches)
         if not out["positions"]:
             return out
-        K = self.head.config.num_heads
-        hits, overlap, n = [0] * K, [0.0] * K, [0] * K
+        depths = DepthSums()
         for batch in batches:
             for k, step in enumerate(self(batch)["steps"]):
                 if not step["q_logits"].shape[0]:
                     continue
                 log_p, log_q = losses.distribution_logprobs(step, 1.0)
-                hits[k] += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
-                overlap[k] += (1.0 - divergences(log_p, log_q, ("tvd",))["tvd"]).sum().item()
-                n[k] += log_p.shape[0]
-        depths = [k for k in range(K) if n[k]]
-        out["top1_at"] = [hits[k] / n[k] for k in depths]
-        out["alpha_at"] = [overlap[k] / n[k] for k in depths]
-        out["positions_at"] = [n[k] for k in depths]
-        out["simulated_tau"] = {"0": simulated_tau(out["top1_at"]), "1": simulated_tau(out["alpha_at"])}
-        out["simulated_tau_note"] = (f"1 + sum_k prod_(i<=k) acceptance of head i over {len(depths)} heads, each "
-                                     "reading the target's real state (T=0: top1_at, T=1: alpha_at); held-out")
+                depths.add(k, top1_match(log_p, log_q), acceptance(log_p.exp(), log_q.exp()), log_p.shape[0])
+        out.update(depths.result("heads, each reading the target's real state (T=0: top1_at, T=1: alpha_at); held-out"))
         return out
