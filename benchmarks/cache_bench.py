@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from specdistill.data.cache import bytes_per_token, compute_shard, pad_batch, plan_batches
+from specdistill.data.cache import bytes_per_token
+from specdistill.data.target_pass import compute_shard, pad_batch, plan_batches
 from specdistill.data.corpus import read_corpus
 from specdistill.data.regenerate import generate_replies
 from specdistill.data.tokenize import encode_chats, prompt_ids

@@ -263,7 +263,8 @@ def measure_cache(recipe_path: Path, args) -> dict:
     """Tokens/s of the cache pass (data/cache.py compute_shard, what `specdistill cache` runs per shard) on the
     train split, after a warm-up batch, timed with the device's synchronising clock."""
     from specdistill import layout
-    from specdistill.data.cache import compute_shard, load_model, resolve_store
+    from specdistill.data.cache import resolve_store
+    from specdistill.data.target_pass import compute_shard, load_model
     from specdistill.data.prepare import load_prepared
     from specdistill.recipe import load_recipe
     from specdistill.target import resolve_aux_layers
@@ -300,7 +301,7 @@ def measure_decode(recipe_path: Path, args, prefix: int = 256, k: int = 4, new_t
     through device.clock; the head is the one llama8b just trained (4 steps: its acceptance is not the point)."""
     from specdistill import kinds, layout
     from specdistill.eval.engine import SpeculativeDecoder
-    from specdistill.eval.evaluate import divergences
+    from specdistill.eval.reference import divergences
     from specdistill.eval.prompts import Prompt, load_prompts
     from specdistill.eval.runtime import make_runtime, resolve_runtime_name
     from specdistill.recipe import load_recipe
@@ -385,7 +386,7 @@ def measure_compiled(model, head, ids, prompt, prefix: int, k: int, new_tokens: 
     import signal
 
     from specdistill.eval.engine import SpeculativeDecoder
-    from specdistill.eval.evaluate import divergences
+    from specdistill.eval.reference import divergences
     from specdistill.eval.prompts import Prompt
     from specdistill.eval.runtime import make_runtime
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from specdistill.data.cache import target_outputs
+from specdistill.data.target_pass import target_outputs
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest
 from specdistill.target import DTYPES, load_target

@@ -8,7 +8,6 @@ in another runtime writes its own file; format in the module's `evaluate_checkpo
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from specdistill.eval import chain_tau, comparators, exactness
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
 from specdistill.eval.prompts import load_prompts, load_tuning_prompts
+from specdistill.eval.reference import (divergences, fp32_reference_model, fp32_reference_skipped,
+                                        judge_against_reference, transformers_greedy)
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, ratio_ci95, spec_timed, speedup_over,
@@ -110,26 +111,6 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     return base_runs, spec_runs, comp, tree_runs
 
 
-@torch.inference_mode()
-def divergences(runtime, prompts, base_runs, runs_by_label: dict) -> list[dict]:
-    """Where a T=0 decode left plain greedy decoding: per run that differs, the first differing position
-    and the gap between the top-2 logits of plain decoding's own forward there (a gap at rounding level
-    means a near-tie that batched and 1-token forwards broke differently, not a wrong engine)."""
-    found = []
-    for label, runs in runs_by_label.items():
-        for i, (run, base) in enumerate(zip(runs, base_runs)):
-            if run.tokens == base.tokens:
-                continue
-            at = next((j for j, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b),
-                      min(len(run.tokens), len(base.tokens)))
-            ids = torch.tensor(prompts[i].ids + base.tokens[:at], device=runtime.device)
-            runtime.reset(ids.numel() + 8)
-            logits, _ = runtime.forward(ids, 0, logits_to_keep=1)
-            top = logits[-1].float().topk(2).values
-            found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
-    return found
-
-
 def fastest_plain(result: dict, comp_report: dict) -> list[dict]:
     """The fastest plain decoding timed for this checkpoint at this temperature (ours, and the plain comparators
     where they ran) and the speedup over it, with its 95% interval over prompts (the same resamples as the
@@ -168,68 +149,6 @@ def tune_k(decoders: Decoders, tuning, reported: int, eval_cfg, temperature, lab
             "best_k_from": f"the highest measured speedup over K in {sorted(int(k) for k in speedup_by_k)} on "
                            f"{len(tuning)} tuning prompts disjoint from the {reported} reported ones "
                            "(eval.tuning_prompts)"}
-
-
-def transformers_greedy(target, prompts, max_new_tokens: int, eos, pad_id) -> list[list[int]]:
-    """transformers' own greedy generate() tokens for each prompt (untimed): the reference of lossless."""
-    return [comparators.run_comparator("hf_generate", target, p.ids, max_new_tokens, eos, pad_id)[0] for p in prompts]
-
-
-# The float32 copy of a reduced-precision target (the lossless reference and plain_static-fp32's weights) takes
-# 4 bytes per parameter beside the target's own: 32.1 GB for Llama-3.1-8B. On CUDA it is loaded only where the
-# device's free memory holds it with this margin (generate()'s activations, the allocator's slack).
-FP32_REFERENCE_MARGIN = 1.1
-FP32_REFERENCE_SLACK_BYTES = 2**30
-
-
-def fp32_reference_skipped(target) -> str | None:
-    """Why the float32 reference is not loaded (one line, for the log and the eval JSON), or None to load it: on
-    CUDA, when the device's free memory is short of 4 bytes per parameter (with the margin). Elsewhere (a float32
-    target is its own reference; the host's memory is not measured) it is always loaded."""
-    if target.dtype == torch.float32 or target.device.type != "cuda":
-        return None
-    params = sum(p.numel() for p in target.parameters())
-    need = 4 * params * FP32_REFERENCE_MARGIN + FP32_REFERENCE_SLACK_BYTES
-    free, _ = torch.cuda.mem_get_info(target.device)
-    if free >= need:
-        return None
-    return (f"the float32 reference (4 bytes x {params / 1e9:.2f}B parameters = {4 * params / 1e9:.1f} GB) needs "
-            f"{need / 1e9:.1f} GB with its margin, {free / 1e9:.1f} GB are free on {target.device}: not loaded, so "
-            f"lossless_vs_transformers and the {FP32_PLAIN} comparator are skipped (lossless against our own plain "
-            f"decoding is still checked)")
-
-
-def fp32_reference_model(target):
-    """The target in float32 for the lossless reference: itself when it is float32, else a float32 copy of the
-    weights it runs with (`run` loads the float32 target from disk instead)."""
-    return target if target.dtype == torch.float32 else copy.deepcopy(target).float()
-
-
-@torch.inference_mode()
-def reference_divergences(reference_model, prompts, reference: list[list[int]], runs_by_label: dict) -> list[dict]:
-    """Each of our T=0 decodes that differs from transformers' fp32 greedy output: the first differing position
-    and the gap between the reference model's top-2 logits there (a gap near 0 is a near-tie that fp32 and our
-    runtime's precision break differently, not a wrong engine)."""
-    found = []
-    for label, runs in runs_by_label.items():
-        for i, (run, want) in enumerate(zip(runs, reference)):
-            want = list(want)
-            if run.tokens == want:
-                continue
-            at = next((j for j, (a, b) in enumerate(zip(run.tokens, want)) if a != b), min(len(run.tokens), len(want)))
-            ids = torch.tensor([prompts[i].ids + want[:at]], device=reference_model.device)
-            logits = reference_model(ids).logits[0, -1].float()
-            top = logits.topk(2).values
-            found.append({"decoder": label, "prompt": i, "position": at, "top2_logit_gap": float(top[0] - top[1])})
-    return found
-
-
-def lossless_vs_reference(reference: list[list[int]], base_runs, spec_runs, tree_runs) -> tuple[bool, list[int]]:
-    """Every greedy decode of ours (baseline, each K, the tree) token-identical to the reference; mismatching prompts."""
-    bad = set()
-    for runs in [base_runs, tree_runs, *spec_runs.values()]:
-        bad |= {i for i, (r, want) in enumerate(zip(runs, reference)) if r.tokens != list(want)}
-    return not bad, sorted(bad)
 
 
 def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
@@ -291,27 +210,8 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
             sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
         if temperature == 0:
             greedy_outputs = [r.tokens for r in base_runs]
-            if reference_model is None:  # too little device memory for the float32 copy: said, not guessed
-                result["lossless_vs_transformers"] = None
-                result["lossless_vs_transformers_skipped"] = reference_skipped
-                if tree_runs:
-                    result["tree"]["lossless_vs_transformers"] = None
-            else:
-                reference = reference_tokens
-                if reference is None:
-                    reference = transformers_greedy(reference_model, prompts, cfg.max_new_tokens, eos, pad_id)
-                # the chain (baseline and every K) and the tree are judged apart: a tree tie says nothing of the chain
-                result["lossless_vs_transformers"], mismatched = lossless_vs_reference(reference, base_runs, spec_runs, [])
-                result["transformers_mismatched_prompts"] = mismatched
-                chain_runs = {"baseline": base_runs, **{f"chain K={k}": runs for k, runs in spec_runs.items()}}
-                result["transformers_divergences"] = reference_divergences(reference_model, prompts, reference, chain_runs)
-                result["lossless_vs_transformers_reference"] = (
-                    "transformers generate(), greedy, float32 weights (batch-invariant enough to be the reference); each "
-                    "divergence of ours is listed with the reference's top-2 logit gap at its first differing token")
-                if tree_runs:
-                    result["tree"]["lossless_vs_transformers"] = lossless_vs_reference(reference, [], {}, tree_runs)[0]
-                    result["tree"]["transformers_divergences"] = reference_divergences(
-                        reference_model, prompts, reference, {"tree": tree_runs})
+            reference = judge_against_reference(result, reference_model, reference_tokens, reference_skipped, prompts,
+                                                base_runs, spec_runs, tree_runs, cfg.max_new_tokens, eos, pad_id)
             base_tps = result["baseline_tokens_per_s"]
             for name, c in comp.items():
                 tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0

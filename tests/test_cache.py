@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.data.cache import build_cache, plan_batches, plan_shards
+from specdistill.data.cache import build_cache, plan_shards
+from specdistill.data.target_pass import plan_batches
 from specdistill.data.cache_reader import CacheDataset, collate
 from specdistill.data.prepare import prepare_corpus, write_prepared
 from specdistill.data.prepare import load_prepared

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from specdistill.data.cache import real_rows, target_outputs
+from specdistill.data.target_pass import real_rows, target_outputs
 from tests.conftest import tiny_model
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)

@@ -10,7 +10,7 @@ import torch
 
 from specdistill import layout, metrics
 from specdistill.errors import SpecdistillError
-from specdistill.eval import evaluate, offline, summary
+from specdistill.eval import evaluate, offline, reference, summary
 from specdistill.eval.engine import eos_token_ids
 from specdistill.formats import checkpoint_fingerprint
 from specdistill.eval.prompts import load_prompts
@@ -438,7 +438,7 @@ def test_divergences_name_the_first_differing_position_and_its_top2_gap():
     prompts = [Prompt("a", "x", [5, 9, 11]), Prompt("b", "x", [7, 3])]
     base = [DecodeResult(tokens=[1, 2, 3, 4]), DecodeResult(tokens=[8, 8])]
     spec = [DecodeResult(tokens=[1, 2, 30, 4]), DecodeResult(tokens=[8, 8])]
-    found = evaluate.divergences(runtime, prompts, base, {"chain K=2": spec})
+    found = reference.divergences(runtime, prompts, base, {"chain K=2": spec})
     assert [(d["decoder"], d["prompt"], d["position"]) for d in found] == [("chain K=2", 0, 2)]
     with torch.no_grad():
         top = model(torch.tensor([[5, 9, 11, 1, 2]])).logits[0, -1].topk(2).values
@@ -455,7 +455,7 @@ def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_dra
         for layer in target.model.layers:
             layer.mlp.down_proj.weight.mul_(10.0)
     eos = eos_token_ids(target, tokenizer)
-    greedy = evaluate.transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, tokenizer.pad_token_id)
+    greedy = reference.transformers_greedy(target, prompts, recipe.eval.max_new_tokens, eos, tokenizer.pad_token_id)
     tokens = [t for out in greedy for t in out]
     distinct = sorted(set(tokens))
     assert len(distinct) >= 2, "the tiny target's greedy outputs need two distinct tokens for this test"
@@ -514,12 +514,12 @@ def test_the_fp32_reference_is_skipped_on_cuda_when_the_device_cannot_hold_it(mo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
     target = _OnCuda(8_030_261_248)
     free["bytes"] = 80e9 - 16.1e9 - 1e9
-    assert evaluate.fp32_reference_skipped(target) is None
+    assert reference.fp32_reference_skipped(target) is None
     free["bytes"] = 48e9 - 16.1e9 - 1e9
-    why = evaluate.fp32_reference_skipped(target)
+    why = reference.fp32_reference_skipped(target)
     assert why.startswith("the float32 reference (4 bytes x 8.03B parameters = 32.1 GB) needs 36.4 GB")
     assert "30.9 GB are free on cuda:0" in why and "lossless_vs_transformers" in why
-    assert evaluate.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32)) is None  # its own reference
+    assert reference.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32)) is None  # its own reference
 
 
 def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):

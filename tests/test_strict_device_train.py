@@ -173,7 +173,7 @@ def test_loader_with_workers_yields_the_step_order(tmp_path, tiny_target_dir):
 def test_cache_pass_split_over_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_target_dir):
     """The DeepSpeed launcher's 2 gloo processes, each computing every other shard, write the shards one process
     writes, byte for byte, into one manifest; an interrupted 2-rank pass resumes with the shards it finished."""
-    from specdistill.data.cache import rank_file, rank_shards
+    from specdistill.data.cache_ranks import rank_file, rank_shards
     from specdistill.formats import write_json_atomic, write_manifest
 
     assert rank_shards(5, 0, 2) == [0, 2, 4] and rank_shards(5, 1, 2) == [1, 3]
