@@ -21,7 +21,7 @@ from specdistill.recipe import load_recipe
 from specdistill.target import load_target, load_tokenizer, parts_of, resolve_target
 
 
-def _draft_for(recipe, target):
+def draft_for(recipe, target):
     found = layout.checkpoints(recipe.run_dir)
     if found:
         return kinds.load_draft(found[-1], target), found[-1].name, layout.step_of(found[-1])
@@ -48,7 +48,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     target = load_target(recipe.target, device=devices.resolve(recipe.device))
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
-    draft, name, step = _draft_for(recipe, target)
+    draft, name, step = draft_for(recipe, target)
     report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, name, step,
                                           recipe.draft.kind, None)
     hw = report["hardware"]

@@ -6,8 +6,10 @@ For the recipe's last checkpoint, in the recipe's eval runtime, at T=0 and the r
             input (a passage to rewrite, summarise, answer from, code to edit), instruction + input as the user turn.
 Each prompt is decoded by plain decoding and by each drafter, interleaved, every decode checked token-identical
 to plain decoding. Prints tau, speedup over plain decoding (95% bootstrap over prompts) and lossless, per workload
-and drafter, and for the hybrid the share of steps lookup drafted. `make bench ARGS=hybrid`, or
-`python -m benchmarks.hybrid_bench [recipe] [section.key=value ...]`.
+and drafter, and for the hybrid the share of steps lookup drafted. With no checkpoint it runs an untrained head
+and says so (decode_bench.draft_for). `make bench ARGS=hybrid`, or
+`python -m benchmarks.hybrid_bench [recipe] [section.key=value ...]`; the record of a run:
+`python -m experiments.run hybrid-workloads-avx512 --from-run checkpoints/<run_name>`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specdistill import device as devices
-from specdistill import kinds, layout
+from benchmarks.decode_bench import draft_for
 from specdistill.decoding.hybrid import HybridDrafter
 from specdistill.decoding.lookup import PromptLookup
 from specdistill.errors import SpecdistillError
@@ -74,15 +76,22 @@ def workload(decoders: dict, hybrid: HybridDrafter, prompts, max_new_tokens: int
     return out
 
 
-def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = ()) -> dict:
-    recipe = load_recipe(recipe_path, list(overrides))
-    found = layout.checkpoints(recipe.run_dir)
-    if not found:
-        raise SpecdistillError(f"hybrid bench: no checkpoint under {recipe.run_dir} (run `make distill` first)")
+# toy: one prompt per workload, 4 new tokens (it proves the bench runs; tests/test_benchmarks.py)
+TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "run_name=bench-toy"]
+
+
+def run(recipe_path: str, overrides: list[str] = ()) -> dict:
+    """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
+    return main(recipe_path, overrides)
+
+
+def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = (), toy: bool = False) -> dict:
+    recipe = load_recipe(recipe_path, [*(TOY if toy else []), *overrides])
     target = load_target(recipe.target, device=devices.resolve(recipe.device))
     tokenizer = load_tokenizer(recipe.target)
     runtime = make_runtime(target, recipe.eval.runtime)
-    draft = kinds.load_draft(found[-1], target).to(device=runtime.device, dtype=runtime.dtype)
+    draft, checkpoint, _ = draft_for(recipe, target)
+    draft = draft.to(device=runtime.device, dtype=runtime.dtype)
     eos, k = eos_token_ids(target, tokenizer), recipe.eval.k
     hybrid = HybridDrafter(make_drafter(draft, target, static=isinstance(runtime, StaticRuntime)),
                            PromptLookup(vocab_size_of(target)))
@@ -91,7 +100,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
                 "lookup": SpeculativeDecoder(runtime, PromptLookup(vocab_size_of(target)), k=k, eos_ids=eos),
                 "hybrid": SpeculativeDecoder(runtime, hybrid, k=k, eos_ids=eos)}
     n = recipe.eval.num_prompts
-    report = {"checkpoint": found[-1].name, "k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
+    report = {"checkpoint": checkpoint, "k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
               "cpu_isa": devices.cpu_isa(), "workloads": {}}
     with torch.inference_mode():
         for name, prompts in [("chat", load_prompts(recipe.eval, tokenizer)), ("grounded", grounded_prompts(tokenizer, n))]:
@@ -101,14 +110,22 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
             report["workloads"][name]["prompts"] = len(prompts)
     print(f"checkpoint {report['checkpoint']}, K={k}, {runtime.name}, T=0, max_new_tokens {report['max_new_tokens']}, "
           f"cpu_isa {report['cpu_isa']}")
+    for row in rows(report):
+        print("  ".join(row))
+    return report
+
+
+def rows(report: dict) -> list[list[str]]:
+    """One row per workload and drafter: tau, speedup over plain decoding [95% CI], lossless, lookup's share."""
+    out = []
     for name, w in report["workloads"].items():
         for d in ("head", "lookup", "hybrid"):
             r = w[d]
             lo, hi = r["speedup_ci95"] or (float("nan"), float("nan"))
-            extra = f", lookup drafted {r['lookup_step_share']:.0%} of steps" if d == "hybrid" else ""
-            print(f"{name:8s} (n={w['prompts']}) {d:6s} tau {r['tau']:.2f}  speedup {r['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]"
-                  f"  lossless {'yes' if r['lossless'] else 'NO'}{extra}")
-    return report
+            share = f"{r['lookup_step_share']:.0%}" if d == "hybrid" else ("100%" if d == "lookup" else "0%")
+            out.append([f"{name} (n={w['prompts']})", d, f"{r['tau']:.2f}", f"{r['speedup']:.2f}× [{lo:.2f}, {hi:.2f}]",
+                        "yes" if r["lossless"] else "**no**", share])
+    return out
 
 
 if __name__ == "__main__":

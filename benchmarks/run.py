@@ -1,6 +1,6 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
-Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, runtime;
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, hybrid, runtime;
 `make bench ARGS="scaling [--fractions ...] [overrides]"` and
 `make bench ARGS="peer [--toy] [overrides]"` only when named). After each, its peak memory
 (device.peak_memory: this process's resident set, and the GPU's on CUDA).
@@ -20,6 +20,7 @@ BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
     "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
+    "hybrid": "benchmarks.hybrid_bench", # head / prompt lookup / their hybrid per workload, vs plain decoding
     "runtime": "benchmarks.runtime_bench", # v(M), d, plain decoding per runtime vs eager-fp32
     "scaling": "benchmarks.scaling_bench", # complete runs at several data sizes: tau against tokens (hours)
     "peer": "benchmarks.peer_bench",       # our EAGLE-3 trainer vs vllm-project/speculators' on the same data

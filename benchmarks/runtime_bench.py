@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from benchmarks.decode_bench import _draft_for
+from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.prompts import load_prompts
@@ -55,7 +55,7 @@ def _prefix_ids(prompts, device) -> torch.Tensor:
 def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device) -> dict:
     now = devices.clock(device)
     model = load_target(recipe.target, device=device)
-    draft, _, _ = _draft_for(recipe, model)
+    draft, _, _ = draft_for(recipe, model)
     runtime = make_runtime(model, name)
     # The first compiled forwards compile (a decode step, then a verify): timed apart, before anything else.
     runtime.reset(PREFIX + 64)

@@ -32,8 +32,8 @@ from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
 
 PIPELINE_STAGES = STAGE_ORDER  # what `make distill` runs
-# the decode bench reads the last checkpoint; the scaling and peer benches run their own stages
-BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "runtime": (), "scaling": (), "peer": ()}
+# the decode and hybrid benches read the last checkpoint; the scaling and peer benches run their own stages
+BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "hybrid": ("prepare", "cache", "train"), "runtime": (), "scaling": (), "peer": ()}
 
 
 def run_exactness(exp) -> tuple[dict, list[list]]:
@@ -92,23 +92,35 @@ def run_pipeline(exp) -> tuple[dict, list[list] | None]:
 TOOK = re.compile(r"^plan: (\w+) took ([\d.]+) min", re.M)  # specdistill.plan.time_left's line after each stage
 
 
-def from_run(name: str, run_dir: Path, log: Path) -> Path:
-    """Record a one-arm pipeline experiment from a run `make distill` made (in a fresh clone, say: `run_dir` is
-    <clone>/checkpoints/<run_name>), its stage times read from the make log's time-left lines (0.1 min)."""
+def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
+    """Record a one-arm experiment from a run `make distill` made (in a fresh clone, say: `run_dir` is
+    <clone>/checkpoints/<run_name>). A pipeline experiment: its stage times read from the make log's time-left
+    lines (0.1 min). A bench experiment: its bench run now on that run's checkpoints, as they are."""
     exp = load(name)
     recipe = pinned_recipe(exp, "main")
     clone = run_dir.resolve().parent.parent
-    seconds = {stage: round(float(m) * 60, 1) for stage, m in TOOK.findall(log.read_text())}
-    if set(seconds) != set(PIPELINE_STAGES):
-        raise SystemExit(f"{log}: time-left lines for {sorted(seconds)}, expected every stage of {PIPELINE_STAGES}")
-    results = {"main": run_results(run_dir, seconds)}
+    if run_dir.name != recipe.run_name:
+        raise SystemExit(f"{run_dir}: not a run of experiments/{name}.yaml (its run_name is {recipe.run_name})")
+    started = time.time()
+    if exp.runner == "bench":
+        out = importlib.import_module(BENCHES[exp.bench]).run(pinned_file(recipe), [f"output_dir={run_dir.resolve().parent}"])
+        results, seconds = {"main": json.loads(json.dumps(out, default=str))}, round(time.time() - started, 1)
+        made_by = f"`{exp.bench}` bench on the checkpoints of `make distill`"
+    else:
+        if log is None:
+            raise SystemExit(f"{name}: a pipeline experiment is recorded from a run and its make log (MAKE_LOG)")
+        stage_seconds = {stage: round(float(m) * 60, 1) for stage, m in TOOK.findall(log.read_text())}
+        if set(stage_seconds) != set(PIPELINE_STAGES):
+            raise SystemExit(f"{log}: time-left lines for {sorted(stage_seconds)}, expected every stage of {PIPELINE_STAGES}")
+        results, seconds = {"main": run_results(run_dir, stage_seconds)}, round(sum(stage_seconds.values()), 1)
+        made_by, started = "`make distill`", log.stat().st_mtime
     made = provenance.git_commit(root=clone)
     record = {"experiment": name, "title": exp.title, "command": exp.command,
-              "provenance": f"recorded from `make distill` in a fresh clone of {made} ({run_dir.name}), "
-                            f"{time.strftime('%Y-%m-%d', time.gmtime(log.stat().st_mtime))}",
+              "provenance": f"recorded from {made_by} in a fresh clone of {made} ({run_dir.name}), "
+                            f"{time.strftime('%Y-%m-%d', time.gmtime(started))}",
               "settings": {"main": recipe_dump(recipe)}, "fingerprints": {"decode_code": provenance.code_fingerprint(root=clone)},
               "hardware": device.hardware(torch.device("cpu")), "code_version": made,
-              "seconds": round(sum(seconds.values()), 1), "results": results,
+              "seconds": seconds, "results": results,
               "table": {"columns": exp.columns, "rows": tables.ROWS[name](results)}}
     return write_record(RECORDS / f"{name}.json", record)
 
@@ -166,7 +178,7 @@ def retable(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["--from-run"]:  # NAME --from-run RUN_DIR MAKE_LOG
-        from_run(sys.argv[1], Path(sys.argv[3]), Path(sys.argv[4]))
+    if sys.argv[2:3] == ["--from-run"]:  # NAME --from-run RUN_DIR [MAKE_LOG]
+        from_run(sys.argv[1], Path(sys.argv[3]), Path(sys.argv[4]) if sys.argv[4:] else None)
     else:
         retable(sys.argv[1]) if sys.argv[2:] == ["--table"] else main(sys.argv[1])

@@ -29,7 +29,7 @@ class Experiment(BaseModel):
     readme_section: str  # the experiments/README.md section holding the table (its marker: <!-- experiment: NAME -->)
     command: str  # what reproduces the table, as a user types it
     runner: Literal["pipeline", "bench", "exactness"]
-    bench: Literal["decode", "runtime", "scaling", "peer"] | None = None  # runner bench: the `make bench` entry, on the pinned recipe
+    bench: Literal["decode", "hybrid", "runtime", "scaling", "peer"] | None = None  # runner bench: the `make bench` entry, on the pinned recipe
     recipe: dict
     arms: dict[str, list[str]] = {"main": []}
     columns: list[str]

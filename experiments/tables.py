@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from benchmarks import peer_bench
+from benchmarks import hybrid_bench, peer_bench
 from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
 
@@ -190,8 +190,14 @@ def peer(results: dict) -> list[list[str]]:
     return peer_bench.rows(results["main"])
 
 
+def hybrid(results: dict) -> list[list[str]]:
+    """One row per workload and drafter of the hybrid bench, as the bench prints them."""
+    return hybrid_bench.rows(results["main"])
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
-                                                      "served-parity": served, "default-90min-avx2": planned_run}
+                                                      "served-parity": served, "default-90min-avx2": planned_run,
+                                                      "hybrid-workloads-avx512": hybrid}
