@@ -69,7 +69,7 @@ def readme_serve_command(export_dir: Path) -> list[str]:
 
 def engines(recipe, step_dir: Path, target: str, k: int) -> list[dict]:
     """What to serve: vLLM plain, every export of this checkpoint, and vLLM's training-free methods at K."""
-    out = [{"name": "plain", "serve": ["vllm", "serve", target]}]
+    out = [{"name": "plain", "serve": ["vllm", "serve", target], "top2_gaps": True}]
     kind = kinds.kind(formats.read_draft_config(step_dir)["kind"])
     for fmt in kind.EXPORT_FORMATS:
         export_dir = layout.export_dir(recipe.run_dir, fmt)
@@ -202,6 +202,7 @@ def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict
             row["speedup"] = c["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
             if t == 0:  # vLLM's own losslessness: its speculative output is its plain output
                 row["lossless"] = all(p["tokens"] == q["tokens"] for p, q in zip(prompts, base))
+                row["divergences"] = divergences(prompts, base)
         o = ours_at(ours, t, k) if ours is not None else None
         if o is not None and c["tau"] is not None:
             row["ours"] = o
@@ -216,8 +217,32 @@ def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict
             "error": engine.get("error"), "results": rows}
 
 
-def verdict(entry: dict) -> tuple[bool, list[str]]:
-    """(fit to deploy, the reasons it is not): tensors, T=0 losslessness, tau parity at every temperature."""
+def divergences(prompts: list[dict], base: list[dict]) -> list[dict]:
+    """Where a T=0 speculative output leaves vLLM's plain output: per prompt, the first differing position and
+    plain's top-2 logprob gap there (None where the plain engine recorded none)."""
+    out = []
+    for i, (p, q) in enumerate(zip(prompts, base)):
+        if p["tokens"] != q["tokens"]:
+            at = next((j for j, (a, b) in enumerate(zip(p["tokens"], q["tokens"])) if a != b),
+                      min(len(p["tokens"]), len(q["tokens"])))
+            gaps = q.get("top2_gap") or []
+            out.append({"prompt": i, "at": at, "plain_top2_gap": gaps[at] if at < len(gaps) else None})
+    return out
+
+
+def headless_divergence(headless: list[dict], temperature: float) -> list[str]:
+    """vLLM's training-free methods (no head of ours: ngram, suffix) whose output also left vLLM's plain output
+    at this temperature in the same run. A divergence they share is vLLM's own (its verify of several tokens
+    against its decode of one), not the head's: at T=0 a draft only decides which positions are verified
+    together, never which token the target emits."""
+    return [e["name"] for e in headless for r in e.get("results", [])
+            if r["temperature"] == temperature and r.get("lossless") is False]
+
+
+def verdict(entry: dict, headless: list[dict] = ()) -> tuple[bool, list[str]]:
+    """(fit to deploy, the reasons it is not): tensors, T=0 losslessness, tau parity at every temperature.
+    A T=0 divergence that vLLM's headless methods share in the same run is vLLM's and no reason
+    (`vllm_own_divergence` says so beside the verdict)."""
     why = []
     if entry.get("error"):
         return False, [f"vLLM could not serve it: {entry['error']}"]
@@ -230,7 +255,7 @@ def verdict(entry: dict) -> tuple[bool, list[str]]:
     if dropped:
         why.append(f"vLLM dropped {len(dropped)} exported tensor(s) silently: {', '.join(dropped[:4])}")
     for r in entry["results"]:
-        if r.get("lossless") is False:
+        if r.get("lossless") is False and not headless_divergence(headless, r["temperature"]):
             why.append(f"T={r['temperature']:g}: vLLM's speculative output differs from vLLM's plain output")
         if "tau_inside_ours" in r and not r["tau_inside_ours"]:
             ci = r["ours"]["tau_ci95"]
@@ -239,6 +264,20 @@ def verdict(entry: dict) -> tuple[bool, list[str]]:
         if "ours" not in r:
             why.append(f"T={r['temperature']:g}: no `specdistill eval` result of ours at this K to compare with")
     return not why, why
+
+
+def vllm_own_divergence(entry: dict, headless: list[dict]) -> str | None:
+    """The T=0 divergence of this export that is vLLM's own (shared by its headless methods), in one line."""
+    for r in entry.get("results", []):
+        shared = headless_divergence(headless, r["temperature"]) if r.get("lossless") is False else []
+        if shared:
+            found = r.get("divergences")  # absent in records made before it was kept
+            gaps = [d["plain_top2_gap"] for d in found or [] if d["plain_top2_gap"] is not None]
+            where = f" at {len(found)} prompt(s)" if found is not None else ""
+            return (f"T={r['temperature']:g}: vLLM's speculative output left its plain output{where}, and so did "
+                    f"{', '.join(shared)} with no head of ours: vLLM's own, not the head's"
+                    + (f" (plain's top-2 logprob gap there at most {max(gaps):.3f})" if gaps else ""))
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -298,9 +337,11 @@ def run(recipe, args) -> None:
             print(f"served: {engine['name']}: {raw[engine['name']]['error']}", file=sys.stderr)
     plain = raw.pop("plain")
     entries = [compare(e, plain, ours if e["name"] in kinds.export_formats() else None, k) for e in raw.values()]
+    headless = [e for e in entries if e["name"] in recipe.served.methods]
     for e in entries:
         if e["name"] in kinds.export_formats():
-            e["fit_to_deploy"], e["not_fit_because"] = verdict(e)
+            e["fit_to_deploy"], e["not_fit_because"] = verdict(e, headless)
+            e["vllm_own_divergence"] = vllm_own_divergence(e, headless)
     record = {"checkpoint": step_dir.name, "k": k, "target": target, "prompts": recipe.eval.prompts,
               "num_prompts": len(prompts), "max_new_tokens": recipe.eval.max_new_tokens,
               "vllm_version": plain.get("vllm_version"), "vllm_cpu_expand": plain.get("cpu_expand"),

@@ -23,8 +23,9 @@ def verdict_lines(record: dict) -> list[str]:
         if e["fit_to_deploy"]:
             t0 = next((r for r in e["results"] if r["temperature"] == 0), None)
             gap = f", served τ {t0['tau']:.3f} vs ours {t0['ours']['tau']:.3f} at T=0" if t0 and "ours" in t0 else ""
+            lossless = e.get("vllm_own_divergence") or "lossless at T=0"
             lines.append(f"- served by vLLM {record.get('vllm_version')}: `{e['name']}` fit to deploy (every tensor "
-                         f"loaded, lossless at T=0, τ inside our interval{gap})")
+                         f"loaded, τ inside our interval{gap}; {lossless})")
         else:
             lines.append(f"- ⚠ served by vLLM {record.get('vllm_version')}: `{e['name']}` NOT fit to deploy: "
                          + "; ".join(e["not_fit_because"]))
@@ -88,6 +89,9 @@ def served_summary(record: dict) -> str:
 def served_note(record: dict, entry: dict) -> str:
     status = ("Fit to deploy." if entry["fit_to_deploy"] else
               "**NOT FIT TO DEPLOY**: " + "; ".join(entry["not_fit_because"]))
+    if entry.get("vllm_own_divergence"):
+        status += f" {entry['vllm_own_divergence']}."
+
     tensors = entry.get("tensors") or {}
     return f"""# Served by vLLM: {entry['name']}
 

@@ -231,8 +231,30 @@ def run_engine(spec: dict, job: dict) -> dict:
             per_prompt.append({"tokens": list(result.outputs[0].token_ids), "seconds": seconds,
                                **delta(counters(llm), before)})
         out["runs"].append({"temperature": temperature, "prompts": per_prompt})
+    if spec.get("top2_gaps"):
+        top2_gaps(llm, prompts, job, out["runs"])
     del llm
     return out
+
+
+def top2_gaps(llm, prompts: list[dict], job: dict, runs: list[dict]) -> None:
+    """Plain decoding's T=0 margin at every position (logprob of its top token minus the runner-up's), from one
+    more greedy pass with logprobs, untimed: where a speculative run's T=0 output leaves plain's, this gap says
+    whether plain's choice was a near tie there. Stored on each T=0 prompt with the pass's own tokens' agreement."""
+    from vllm import SamplingParams
+
+    for run in runs:
+        if run["temperature"] != 0:
+            continue
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], logprobs=2, ignore_eos=False)
+        for prompt, record in zip(prompts, run["prompts"]):
+            result = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            gaps = []
+            for step in result.logprobs or []:
+                best = sorted((lp.logprob for lp in step.values()), reverse=True)
+                gaps.append(best[0] - best[1] if len(best) > 1 else None)
+            record["top2_gap"] = gaps
+            record["top2_pass_same_tokens"] = list(result.token_ids) == record["tokens"]
 
 
 def main(argv: list[str]) -> int:

@@ -115,11 +115,14 @@ def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
         results, seconds = {"main": run_results(run_dir, stage_seconds)}, round(sum(stage_seconds.values()), 1)
         made_by, started = "`make distill`", log.stat().st_mtime
     made = provenance.git_commit(root=clone)
+    ran = provenance.git_commit() if exp.runner == "bench" else made  # a bench runs this checkout's code
     record = {"experiment": name, "title": exp.title, "command": exp.command,
               "provenance": f"recorded from {made_by} in a fresh clone of {made} ({run_dir.name}), "
-                            f"{time.strftime('%Y-%m-%d', time.gmtime(started))}",
-              "settings": {"main": recipe_dump(recipe)}, "fingerprints": {"decode_code": provenance.code_fingerprint(root=clone)},
-              "hardware": device.hardware(torch.device("cpu")), "code_version": made,
+                            f"{time.strftime('%Y-%m-%d', time.gmtime(started))}"
+                            + (f"; the bench ran at {ran}" if ran != made else ""),
+              "settings": {"main": recipe_dump(recipe)},
+              "fingerprints": {"decode_code": provenance.code_fingerprint(root=provenance.REPO_ROOT if exp.runner == "bench" else clone)},
+              "hardware": device.hardware(torch.device("cpu")), "code_version": ran,
               "seconds": seconds, "results": results,
               "table": {"columns": exp.columns, "rows": tables.ROWS[name](results)}}
     return write_record(RECORDS / f"{name}.json", record)

@@ -171,6 +171,27 @@ def test_parity_gate_passes_inside_our_interval_and_fails_outside():
     assert served.verdict(changed)[1] == ["T=0: vLLM's speculative output differs from vLLM's plain output"]
 
 
+def test_a_t0_divergence_that_vllms_headless_methods_share_is_vllms_not_the_heads():
+    """At T=0 a draft only decides which positions vLLM verifies together, never which token the target emits:
+    when vLLM's ngram (no head of ours) leaves vLLM's plain output in the same run too, the head stays fit to
+    deploy and the divergence is named vLLM's, with where it happened and plain's top-2 gap there."""
+    counts = [(10, [6, 3]), (10, [4, 1])]
+    plain = worker_output([(0, []), (0, [])])
+    plain["runs"][0]["prompts"][1]["top2_gap"] = [2.0, 1.5, 0.0625, 3.0, 3.0]
+    diverged = lambda i: [i, i, 7, i, i] if i == 1 else [i] * 5  # prompt 1 leaves plain at position 2
+    head = served.compare(worker_output(counts, tokens_of=diverged), plain, ours(1.68, [1.6, 1.8]), 2)
+    head.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
+    assert head["results"][0]["divergences"] == [{"prompt": 1, "at": 2, "plain_top2_gap": 0.0625}]
+    ngram = served.compare({**worker_output(counts, tokens_of=diverged), "name": "ngram"}, plain, None, 2)
+    clean_ngram = served.compare({**worker_output(counts), "name": "ngram"}, plain, None, 2)
+    assert served.verdict(head, [ngram]) == (True, [])
+    assert "so did ngram with no head of ours: vLLM's own" in served.vllm_own_divergence(head, [ngram])
+    assert "at most 0.062" in served.vllm_own_divergence(head, [ngram])
+    assert served.verdict(head, [clean_ngram]) == (  # ngram stayed lossless: the divergence is a reason
+        False, ["T=0: vLLM's speculative output differs from vLLM's plain output"])
+    assert served.vllm_own_divergence(head, [clean_ngram]) is None
+
+
 def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
     recipe_file = tmp_path / "r.yaml"
