@@ -39,7 +39,9 @@ def decode(target: str, dtype: str, speculative: bool, max_tokens: int) -> list[
     from vllm import LLM, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(target)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     llm = LLM(target, dtype=dtype, max_model_len=1024, seed=0, enforce_eager=True,
               speculative_config=NGRAM if speculative else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
