@@ -176,7 +176,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
     if 0 in recipe.temperatures and reference_model is None and reference_skipped is None:
-        reference_skipped = fp32_reference_skipped(target)
+        reference_skipped = fp32_reference_skipped(target, cfg.fp32_reference)
     if 0 in recipe.temperatures and reference_skipped is None:  # the lossless reference, plain fp32's weights
         reference_model = reference_model or fp32_reference_model(target)
     family, dtype = parse_runtime(runtime.name)
@@ -302,7 +302,7 @@ def run(recipe, args) -> list[Path]:
     prompts = load_prompts(recipe.eval, tokenizer)
     reference, reference_model, reference_skipped = None, None, None
     if 0 in recipe.temperatures or 0.0 in recipe.temperatures:
-        reference_skipped = fp32_reference_skipped(target)
+        reference_skipped = fp32_reference_skipped(target, recipe.eval.fp32_reference)
         if reference_skipped:
             print(f"warning: {reference_skipped}", flush=True)
     if (0 in recipe.temperatures or 0.0 in recipe.temperatures) and not reference_skipped:  # once per run

@@ -522,13 +522,43 @@ def test_the_fp32_reference_is_skipped_on_cuda_when_the_device_cannot_hold_it(mo
     assert reference.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32)) is None  # its own reference
 
 
+def test_eval_fp32_reference_key_forces_or_turns_off_the_copy(monkeypatch, tmp_path, tiny_target_dir):
+    """eval.fp32_reference: true loads the copy even where auto finds the memory short, false never loads it
+    (said in one line naming the key), also where it would fit or on the CPU; a float32 target needs no copy."""
+    free = {"bytes": 48e9 - 16.1e9 - 1e9}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
+    target = _OnCuda(8_030_261_248)
+    assert reference.fp32_reference_skipped(target, "auto") is not None
+    assert reference.fp32_reference_skipped(target, True) is None
+    free["bytes"] = 80e9 - 16.1e9 - 1e9
+    why = reference.fp32_reference_skipped(target, False)
+    assert why.startswith("eval.fp32_reference is false") and "\n" not in why
+    on_cpu = _OnCuda(10)
+    on_cpu.device = torch.device("cpu")
+    assert reference.fp32_reference_skipped(on_cpu, False) == why
+    assert reference.fp32_reference_skipped(on_cpu, "auto") is None
+    assert reference.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32), False) is None
+
+    from specdistill.recipe import load_recipe
+
+    tiny_recipe(tmp_path, tiny_target_dir)
+    path = tmp_path / "tiny.yaml"
+    assert load_recipe(path).eval.fp32_reference == "auto"
+    assert load_recipe(path, ["eval.fp32_reference=false"]).eval.fp32_reference is False
+    with pytest.raises(SpecdistillError, match="fp32_reference"):
+        load_recipe(path, ["eval.fp32_reference=sometimes"])
+
+
 def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     """Without the float32 copy, lossless against our own plain decoding is still checked; lossless against
     transformers' generate() is None with the reason, and plain_static-fp32 is not timed."""
     recipe, target = setup
     recipe.eval.temperature = 0.0
     recipe.eval.k_sweep = []
-    monkeypatch.setattr(evaluate, "fp32_reference_skipped", lambda target: "too little memory (test)")
+    recipe.eval.fp32_reference = False
+    asked = []
+    monkeypatch.setattr(evaluate, "fp32_reference_skipped",
+                        lambda target, setting: asked.append(setting) or "too little memory (test)")
     monkeypatch.setattr(evaluate, "fp32_reference_model", lambda target: pytest.fail("the fp32 copy was made"))
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
@@ -536,3 +566,4 @@ def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     r = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"][0]
     assert r["lossless"] is True and r["lossless_vs_transformers"] is None
     assert r["lossless_vs_transformers_skipped"] == "too little memory (test)" and "transformers_divergences" not in r
+    assert asked == [False]  # eval.fp32_reference reaches the decision
