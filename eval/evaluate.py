@@ -30,9 +30,10 @@ from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, rat
 from specdistill.eval.tables import (FP32_PLAIN, PLAIN_COMPARATORS, summary_line, tree_label, tree_lossless,
                                      vs_fastest_cell)
 from specdistill.eval.tree import TreeDecoder
+from specdistill.errors import SpecdistillError
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.plan import applied_plan
-from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer
+from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer, one_device_shortfall
 
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
@@ -296,6 +297,9 @@ def run(recipe, args) -> list[Path]:
     family, dtype = parse_runtime(name)
     device = devices.resolve(recipe.device)
     devices.warn_if_bf16_emulated(DTYPES[dtype], device, f"the eval decodes with {name}", f"eval.runtime={family}-fp32")
+    if short := one_device_shortfall(recipe.target, device):
+        raise SpecdistillError(f"eval: {short}: the eval holds the target on one GPU (the cache pass alone spreads "
+                               "it over several)")
     target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)

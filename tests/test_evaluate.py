@@ -549,6 +549,39 @@ def test_eval_fp32_reference_key_forces_or_turns_off_the_copy(monkeypatch, tmp_p
         load_recipe(path, ["eval.fp32_reference=sometimes"])
 
 
+def test_a_target_larger_than_one_gpu_is_refused_by_eval_and_online_mode(setup, monkeypatch, tmp_path):
+    """Eval and cache.mode online hold the whole target on one GPU: a target whose weights do not fit its free
+    memory (with room for activations) is refused in one line naming the target and the sizes, before loading."""
+    from specdistill.data import cache_reader
+    from specdistill.target import one_device_shortfall
+
+    recipe, target = setup
+    gpu = torch.device("cuda", 0)
+    free = {"bytes": 80e9}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
+    assert one_device_shortfall(recipe.target, gpu) is None
+    free["bytes"] = 1e6  # the tiny target's files take more
+    why = one_device_shortfall(recipe.target, gpu)
+    assert why.startswith(f"target.path {recipe.target.path}: its weights take ") and "0.0 GB are free on cuda:0" in why
+    assert one_device_shortfall(recipe.target, torch.device("cpu")) is None  # the host's memory is not measured
+
+    write_eagle_checkpoint(recipe, target, 1)
+    monkeypatch.setattr(evaluate.devices, "resolve", lambda device: gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("eval loaded the target"))
+    with pytest.raises(SpecdistillError, match=r"^eval: target\.path .* free on cuda:0: the eval holds the target on one GPU") as e:
+        evaluate.run(recipe, argparse.Namespace(checkpoint="last"))
+    assert "\n" not in str(e.value)
+
+    cache = tmp_path / "online-cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"mode": "online"}))
+    monkeypatch.setattr(cache_reader, "load_target", lambda *a, **k: pytest.fail("online mode loaded the target"))
+    with pytest.raises(SpecdistillError, match=r"^cache\.mode online: target\.path .* free on cuda:0") as e:
+        cache_reader.open_cache(cache, "train", recipe.target, gpu)
+    assert "\n" not in str(e.value)
+
+
 def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     """Without the float32 copy, lossless against our own plain decoding is still checked; lossless against
     transformers' generate() is None with the reason, and plain_static-fp32 is not timed."""
