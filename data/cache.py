@@ -40,7 +40,7 @@ from specdistill.data.cache_ranks import barrier, build_ranked
 from specdistill.data.cache_shared import CacheLock, cache_key, cache_settings, link_run_cache, remembered_tokenizer_fingerprint
 from specdistill.data.prepare import SPLITS, load_prepared, select_rows
 from specdistill.data.regenerate import regenerated_corpus
-from specdistill.data.target_pass import compute_shard, fits_one_device, load_model
+from specdistill.data.target_pass import compute_shard, load_model
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest, shard_name, write_manifest, write_shard, write_yaml
 from specdistill.layout import cache_dir, corpus_dir, shared_cache_root
@@ -48,7 +48,7 @@ from specdistill.processes import join, launcher_command, process_env, run_ranks
 from specdistill.recipe import load_recipe, recipe_dump
 from specdistill.strict import strict_device_from_env
 from specdistill.target import (DTYPES, fingerprint_target, fingerprint_tokenizer, load_target_config, load_tokenizer,
-                                resolve_aux_layers)
+                                one_device_shortfall, resolve_aux_layers)
 
 MANIFEST_VERSION = 1
 
@@ -236,7 +236,7 @@ def cache_processes(recipe, device: torch.device) -> int:
         return 1
     if devices.names_one_gpu(recipe.device):  # `device: cuda:N`: the pass runs on that GPU, in this process
         return 1
-    return min(recipe.train.num_gpus, torch.cuda.device_count()) if fits_one_device(recipe.target, device) else 1
+    return min(recipe.train.num_gpus, torch.cuda.device_count()) if one_device_shortfall(recipe.target, device) is None else 1
 
 
 def run(recipe, args=None) -> dict:

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from specdistill.data.target_pass import target_outputs
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_manifest
-from specdistill.target import DTYPES, load_target
+from specdistill.target import DTYPES, load_target, one_device_shortfall
 
 PER_TOKEN = ("input_ids", "loss_mask", "hidden_last", "hidden_aux", "topk_logprobs", "topk_ids", "tail_mass")
 AS_LONG = ("input_ids", "loss_mask", "topk_ids")  # integer tensors come back as int64, ready for indexing
@@ -139,6 +139,9 @@ def open_cache(cache_dir, split: str, target_cfg=None, device="cpu") -> CacheDat
         raise SpecdistillError(f"{cache_dir}: an online cache (tokens only) needs the target to compute its features")
     key = (target_cfg.path, target_cfg.dtype, str(device))
     if key not in _TARGETS:
+        if short := one_device_shortfall(target_cfg, device):  # each training process holds the whole target
+            raise SpecdistillError(f"cache.mode online: {short}: each training process holds the target on its GPU; "
+                                   "cache.mode=offline spreads it over the GPUs for the cache pass alone")
         _TARGETS.clear()
         _TARGETS[key] = load_target(target_cfg, device)
     return OnlineDataset(cache_dir, split, _TARGETS[key])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from specdistill import device as devices
-from specdistill.target import (DTYPES, load_target, load_target_config, resolve_target, target_logits_from_hidden,
-                                target_weight_files)
+from specdistill.target import (DTYPES, load_target, load_target_config, one_device_shortfall, resolve_target,
+                                target_logits_from_hidden)
 
 LOGIT_CHUNK = 1024  # tokens per LM-head chunk: bounds the [tokens, vocab] float32 buffer
 
@@ -114,21 +114,12 @@ def compute_shard(model, split_ds, indices: range, lengths: list[int], settings:
     return tensors
 
 
-def fits_one_device(target_cfg, device: torch.device) -> bool:
-    """Whether the target's weights fit in the device's free memory with room for activations (always on the CPU)."""
-    if torch.device(device).type != "cuda":
-        return True
-    weights = sum(f.stat().st_size for f in target_weight_files(resolve_target(target_cfg)))  # files' bytes
-    free, _ = torch.cuda.mem_get_info(device)
-    return weights <= 0.8 * free
-
-
 def load_model(recipe, device: torch.device):
     """The target on `device`; one larger than the GPU's free memory spread over every GPU (accelerate's
     device_map="auto"), so a target no single GPU holds can still be cached."""
     devices.warn_if_bf16_emulated(DTYPES[recipe.target.dtype], device, "the cache pass runs the target",
                                   "target.dtype=float32")
-    if fits_one_device(recipe.target, device):
+    if one_device_shortfall(recipe.target, device) is None:
         return load_target(recipe.target, device)
     from transformers import AutoModelForCausalLM
 

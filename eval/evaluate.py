@@ -30,9 +30,10 @@ from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, rat
 from specdistill.eval.tables import (FP32_PLAIN, PLAIN_COMPARATORS, summary_line, tree_label, tree_lossless,
                                      vs_fastest_cell)
 from specdistill.eval.tree import TreeDecoder
+from specdistill.errors import SpecdistillError
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
 from specdistill.plan import applied_plan
-from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer
+from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer, one_device_shortfall
 
 
 T0_LOSSLESS_NOTE = ("lossless is checked token by token at T=0 only; at T>0 exactness is the job of the "
@@ -176,7 +177,7 @@ def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: s
     baseline = decoders.baseline
     wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
     if 0 in recipe.temperatures and reference_model is None and reference_skipped is None:
-        reference_skipped = fp32_reference_skipped(target)
+        reference_skipped = fp32_reference_skipped(target, cfg.fp32_reference)
     if 0 in recipe.temperatures and reference_skipped is None:  # the lossless reference, plain fp32's weights
         reference_model = reference_model or fp32_reference_model(target)
     family, dtype = parse_runtime(runtime.name)
@@ -296,13 +297,16 @@ def run(recipe, args) -> list[Path]:
     family, dtype = parse_runtime(name)
     device = devices.resolve(recipe.device)
     devices.warn_if_bf16_emulated(DTYPES[dtype], device, f"the eval decodes with {name}", f"eval.runtime={family}-fp32")
+    if short := one_device_shortfall(recipe.target, device):
+        raise SpecdistillError(f"eval: {short}: the eval holds the target on one GPU (the cache pass alone spreads "
+                               "it over several)")
     target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     reference, reference_model, reference_skipped = None, None, None
     if 0 in recipe.temperatures or 0.0 in recipe.temperatures:
-        reference_skipped = fp32_reference_skipped(target)
+        reference_skipped = fp32_reference_skipped(target, recipe.eval.fp32_reference)
         if reference_skipped:
             print(f"warning: {reference_skipped}", flush=True)
     if (0 in recipe.temperatures or 0.0 in recipe.temperatures) and not reference_skipped:  # once per run

@@ -43,11 +43,17 @@ FP32_REFERENCE_MARGIN = 1.1
 FP32_REFERENCE_SLACK_BYTES = 2**30
 
 
-def fp32_reference_skipped(target) -> str | None:
-    """Why the float32 reference is not loaded (one line, for the log and the eval JSON), or None to load it: on
-    CUDA, when the device's free memory is short of 4 bytes per parameter (with the margin). Elsewhere (a float32
-    target is its own reference; the host's memory is not measured) it is always loaded."""
-    if target.dtype == torch.float32 or target.device.type != "cuda":
+def fp32_reference_skipped(target, setting: str | bool = "auto") -> str | None:
+    """Why the float32 reference is not loaded (one line, for the log and the eval JSON), or None to load it.
+    `setting` is eval.fp32_reference: false never loads it, true always does; auto skips it on CUDA when the
+    device's free memory is short of 4 bytes per parameter (with the margin). Elsewhere (a float32 target is its
+    own reference; the host's memory is not measured) auto loads it."""
+    if target.dtype == torch.float32 or setting is True:
+        return None
+    if setting is False:
+        return (f"eval.fp32_reference is false: the float32 reference is not loaded, so lossless_vs_transformers "
+                f"and the {FP32_PLAIN} comparator are skipped (lossless against our own plain decoding is still checked)")
+    if target.device.type != "cuda":
         return None
     params = sum(p.numel() for p in target.parameters())
     need = 4 * params * FP32_REFERENCE_MARGIN + FP32_REFERENCE_SLACK_BYTES
@@ -57,7 +63,7 @@ def fp32_reference_skipped(target) -> str | None:
     return (f"the float32 reference (4 bytes x {params / 1e9:.2f}B parameters = {4 * params / 1e9:.1f} GB) needs "
             f"{need / 1e9:.1f} GB with its margin, {free / 1e9:.1f} GB are free on {target.device}: not loaded, so "
             f"lossless_vs_transformers and the {FP32_PLAIN} comparator are skipped (lossless against our own plain "
-            f"decoding is still checked)")
+            f"decoding is still checked; eval.fp32_reference=true loads it anyway)")
 
 
 def fp32_reference_model(target):

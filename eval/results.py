@@ -94,6 +94,11 @@ def changed(had: dict, now: dict) -> list[str]:
     return sorted(k for k in set(had) | set(now) if had.get(k) != now.get(k))
 
 
+# Eval keys added after results were first written, with the value a result written before them was measured
+# under: such a result is not stale for lacking the key.
+EVAL_KEYS_ADDED = {"fp32_reference": "auto"}
+
+
 def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None,
                     run_key: dict | None = None) -> None:
     """Mark (e['_stale'] = reasons) every result that does not match the checkpoint on disk or the recipe.
@@ -116,9 +121,9 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
             had = e.get("eval_settings")
             if had is None:
                 reasons.append("unverified: no eval settings recorded")
-            elif diff := changed(had, eval_settings):
+            elif diff := changed({**EVAL_KEYS_ADDED, **had}, eval_settings):
                 reasons.append("eval settings differ from the recipe's: " + ", ".join(
-                    f"{k} {had.get(k)!r} → {eval_settings.get(k)!r}" for k in diff))
+                    f"{k} {had.get(k, EVAL_KEYS_ADDED.get(k))!r} → {eval_settings.get(k)!r}" for k in diff))
         if run_key is not None:
             had = e.get("run_key")
             if had is None:

@@ -186,6 +186,11 @@ class EvalConfig(Section):
                          "under torch.compile), or auto = static-bf16 where the static runtime "
                          "supports the architecture, else eager-bf16; the baseline, the drafts and the "
                          "comparators all run in it")
+    fp32_reference: Literal["auto"] | bool = Field(
+        "auto", description="at T=0, a float32 copy of the target (4 bytes per parameter, beside the target) judges "
+        "lossless against transformers' greedy generate() and runs plain_static-fp32: auto = loaded unless the "
+        "GPU's free memory is short, true = always, false = never (lossless against our own plain decoding is "
+        "still checked; a float32 target is its own reference, no copy)")
 
 
 class ExportConfig(Section):

@@ -183,6 +183,23 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None,
 
 # ---- the target's parts a draft reads while training (never the whole target) -----------------------
 
+# A target fits one device when its weights take at most this share of the free memory (the rest: activations).
+ONE_DEVICE_SHARE = 0.8
+
+
+def one_device_shortfall(cfg: TargetConfig, device: str | torch.device) -> str | None:
+    """Why the target's weights (its safetensors files' bytes) do not fit in `device`'s free memory with room for
+    activations, in one line naming the target; None where they fit (always on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    weights = sum(f.stat().st_size for f in target_weight_files(resolve_target(cfg)))
+    free, _ = torch.cuda.mem_get_info(device)
+    if weights <= ONE_DEVICE_SHARE * free:
+        return None
+    return (f"target.path {cfg.path}: its weights take {weights / 1e9:.1f} GB, {weights / ONE_DEVICE_SHARE / 1e9:.1f} "
+            f"GB with room for activations, and {free / 1e9:.1f} GB are free on {device}")
+
+
 def target_weight_files(target_dir: str | Path) -> list[Path]:
     d = Path(target_dir)
     if not d.is_dir():  # a hub id: fetch only config and weights (never the whole repo)

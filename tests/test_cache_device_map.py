@@ -4,14 +4,18 @@ This machine has one device (a CPU build of torch cannot make, or even fake, a s
 device), so a genuine split cannot run here. The test runs the real tiny target's forward, then gives each
 output the device accelerate's dispatch would leave it on, as a label on a CPU tensor: an op mixing labels
 raises as CUDA does. What it shows: target_outputs moves each hidden state before masking and stacking, and
-stores the same values, bit for bit, as on one device."""
+stores the same values, bit for bit, as on one device; compute_shard, over several padded batches, returns the
+one-device shard bit for bit, in float32 and in bfloat16."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from specdistill.data.target_pass import real_rows, target_outputs
+from specdistill.data import target_pass
+from specdistill.data.target_pass import compute_shard, real_rows, target_outputs
 from tests.conftest import tiny_model
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
@@ -33,6 +37,8 @@ class Placed(torch.Tensor):
         if func == torch.Tensor.device.__get__:
             return args[0].where
         with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.cpu:
+                return Placed(args[0].clone(), "cpu")
             if func is torch.Tensor.to:
                 to = [a for a in [*args[1:], kwargs.get("device")] if isinstance(a, (str, torch.device))]
                 dtype = [a for a in [*args[1:], kwargs.get("dtype")] if isinstance(a, torch.dtype)]
@@ -68,6 +74,9 @@ class SpreadTarget:
             return out
         return forward
 
+    def get_input_embeddings(self):
+        return SimpleNamespace(weight=Placed(self.model.get_input_embeddings().weight, GPU0))
+
     def get_output_embeddings(self):
         head = self.model.get_output_embeddings()
         return lambda hidden: Placed(head(plain(hidden.to(GPU1))), GPU1)  # accelerate's hook moves the input
@@ -94,6 +103,35 @@ def test_a_spread_target_stores_what_one_device_stores_bit_for_bit(batch):
         assert torch.equal(plain(spread[name]), tensor), name
     assert spread["hidden_aux"].device == GPU0 and spread["hidden_last"].device == GPU1
     assert spread["hidden_aux"].shape == (9, 3, 64)
+
+
+SEQUENCES = [[5, 9, 13, 21, 34, 55, 89], [7, 11, 17], [2, 3, 5, 7, 11], [101, 102], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_spread_target_writes_the_one_device_shard_bit_for_bit(monkeypatch, dtype):
+    """compute_shard, the cache stage's own function, over several padded batches: the shard of the spread target
+    equals the one-device shard bit for bit, in float32 and in bfloat16 (target and stored kinds). Here both run
+    the same CPU kernels, so the split can change nothing but where tensors live; on real GPUs each layer runs the
+    same kernels on another GPU of the same kind and the moves between them are exact copies, so bf16 is expected
+    bit for bit there too (not shown here)."""
+    from datasets import Dataset
+
+    model = tiny_model("llama", vocab_size=256, layers=4).to(getattr(torch, dtype))
+    split_ds = Dataset.from_dict({"input_ids": SEQUENCES, "loss_mask": [[1] * len(s) for s in SEQUENCES]})
+    lengths = [len(s) for s in SEQUENCES]
+    settings = {"store": STORE, "aux_layers": [1, 2, 4], "topk": 4, "dtype": dtype, "batch_tokens": 16}
+    one = compute_shard(model, split_ds, range(len(SEQUENCES)), lengths, settings)
+    real_pad = target_pass.pad_batch  # built on the host, then labelled with the first GPU as `.to(cuda:0)` would
+    monkeypatch.setattr(target_pass, "pad_batch", lambda seqs, device: tuple(
+        Placed(t, device) for t in real_pad(seqs, "cpu")))
+    spread = compute_shard(SpreadTarget(model, first_on_gpu1=2), split_ds, range(len(SEQUENCES)), lengths, settings)
+    assert len(target_pass.plan_batches(range(len(SEQUENCES)), lengths, 16)) >= 3  # several batches, padded
+    assert spread.keys() == one.keys() and {"hidden_aux", "hidden_last", "topk_ids"} <= one.keys()
+    for name, tensor in one.items():
+        got = plain(spread[name])
+        assert got.dtype == tensor.dtype and got.device == tensor.device and torch.equal(got, tensor), name
+    assert one["hidden_aux"].dtype == getattr(torch, dtype)
 
 
 def test_real_rows_masks_where_the_state_lives():

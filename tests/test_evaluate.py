@@ -522,13 +522,76 @@ def test_the_fp32_reference_is_skipped_on_cuda_when_the_device_cannot_hold_it(mo
     assert reference.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32)) is None  # its own reference
 
 
+def test_eval_fp32_reference_key_forces_or_turns_off_the_copy(monkeypatch, tmp_path, tiny_target_dir):
+    """eval.fp32_reference: true loads the copy even where auto finds the memory short, false never loads it
+    (said in one line naming the key), also where it would fit or on the CPU; a float32 target needs no copy."""
+    free = {"bytes": 48e9 - 16.1e9 - 1e9}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
+    target = _OnCuda(8_030_261_248)
+    assert reference.fp32_reference_skipped(target, "auto") is not None
+    assert reference.fp32_reference_skipped(target, True) is None
+    free["bytes"] = 80e9 - 16.1e9 - 1e9
+    why = reference.fp32_reference_skipped(target, False)
+    assert why.startswith("eval.fp32_reference is false") and "\n" not in why
+    on_cpu = _OnCuda(10)
+    on_cpu.device = torch.device("cpu")
+    assert reference.fp32_reference_skipped(on_cpu, False) == why
+    assert reference.fp32_reference_skipped(on_cpu, "auto") is None
+    assert reference.fp32_reference_skipped(_OnCuda(10, dtype=torch.float32), False) is None
+
+    from specdistill.recipe import load_recipe
+
+    tiny_recipe(tmp_path, tiny_target_dir)
+    path = tmp_path / "tiny.yaml"
+    assert load_recipe(path).eval.fp32_reference == "auto"
+    assert load_recipe(path, ["eval.fp32_reference=false"]).eval.fp32_reference is False
+    with pytest.raises(SpecdistillError, match="fp32_reference"):
+        load_recipe(path, ["eval.fp32_reference=sometimes"])
+
+
+def test_a_target_larger_than_one_gpu_is_refused_by_eval_and_online_mode(setup, monkeypatch, tmp_path):
+    """Eval and cache.mode online hold the whole target on one GPU: a target whose weights do not fit its free
+    memory (with room for activations) is refused in one line naming the target and the sizes, before loading."""
+    from specdistill.data import cache_reader
+    from specdistill.target import one_device_shortfall
+
+    recipe, target = setup
+    gpu = torch.device("cuda", 0)
+    free = {"bytes": 80e9}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80e9))
+    assert one_device_shortfall(recipe.target, gpu) is None
+    free["bytes"] = 1e6  # the tiny target's files take more
+    why = one_device_shortfall(recipe.target, gpu)
+    assert why.startswith(f"target.path {recipe.target.path}: its weights take ") and "0.0 GB are free on cuda:0" in why
+    assert one_device_shortfall(recipe.target, torch.device("cpu")) is None  # the host's memory is not measured
+
+    write_eagle_checkpoint(recipe, target, 1)
+    monkeypatch.setattr(evaluate.devices, "resolve", lambda device: gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("eval loaded the target"))
+    with pytest.raises(SpecdistillError, match=r"^eval: target\.path .* free on cuda:0: the eval holds the target on one GPU") as e:
+        evaluate.run(recipe, argparse.Namespace(checkpoint="last"))
+    assert "\n" not in str(e.value)
+
+    cache = tmp_path / "online-cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"mode": "online"}))
+    monkeypatch.setattr(cache_reader, "load_target", lambda *a, **k: pytest.fail("online mode loaded the target"))
+    with pytest.raises(SpecdistillError, match=r"^cache\.mode online: target\.path .* free on cuda:0") as e:
+        cache_reader.open_cache(cache, "train", recipe.target, gpu)
+    assert "\n" not in str(e.value)
+
+
 def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     """Without the float32 copy, lossless against our own plain decoding is still checked; lossless against
     transformers' generate() is None with the reason, and plain_static-fp32 is not timed."""
     recipe, target = setup
     recipe.eval.temperature = 0.0
     recipe.eval.k_sweep = []
-    monkeypatch.setattr(evaluate, "fp32_reference_skipped", lambda target: "too little memory (test)")
+    recipe.eval.fp32_reference = False
+    asked = []
+    monkeypatch.setattr(evaluate, "fp32_reference_skipped",
+                        lambda target, setting: asked.append(setting) or "too little memory (test)")
     monkeypatch.setattr(evaluate, "fp32_reference_model", lambda target: pytest.fail("the fp32 copy was made"))
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
@@ -536,3 +599,4 @@ def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     r = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"][0]
     assert r["lossless"] is True and r["lossless_vs_transformers"] is None
     assert r["lossless_vs_transformers_skipped"] == "too little memory (test)" and "transformers_divergences" not in r
+    assert asked == [False]  # eval.fp32_reference reaches the decision

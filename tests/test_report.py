@@ -246,6 +246,25 @@ def test_stale_results_are_marked_and_not_the_headline(recipe, capsys):
     assert "headline checkpoint: runA/step-0000200 (rule: last checkpoint" in capsys.readouterr().out
 
 
+def test_a_result_written_before_eval_fp32_reference_counts_as_auto(tmp_path):
+    from specdistill.eval.results import check_freshness
+    from specdistill.formats import checkpoint_fingerprint
+    from specdistill.recipe import EvalConfig
+
+    step = tmp_path / "step-0000001"
+    step.mkdir()
+    (step / "draft.safetensors").write_bytes(b"weights")
+    now = EvalConfig().model_dump(mode="json")
+    before_key = {k: v for k, v in now.items() if k != "fp32_reference"}
+    evals = [{"checkpoint": step.name, "checkpoint_fingerprint": checkpoint_fingerprint(step), "eval_settings": s}
+             for s in (before_key, {**before_key, "fp32_reference": False})]
+    check_freshness(evals, tmp_path, now)
+    assert evals[0]["_stale"] == []
+    assert evals[1]["_stale"] == ["eval settings differ from the recipe's: fp32_reference False → 'auto'"]
+    check_freshness(evals[:1], tmp_path, {**now, "fp32_reference": False})
+    assert evals[0]["_stale"] == ["eval settings differ from the recipe's: fp32_reference 'auto' → False"]
+
+
 def test_results_of_another_target_runtime_or_decoding_code_are_stale(recipe):
     """The stale guard keys on the run key too: each of its three parts alone marks a result stale."""
     changes = {200: {"runtime": "eager-bf16"}, 300: {"decode_code": "0123456789ab"},

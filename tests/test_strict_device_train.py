@@ -172,7 +172,8 @@ def test_loader_with_workers_yields_the_step_order(tmp_path, tiny_target_dir):
 
 def test_cache_pass_split_over_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_target_dir):
     """The DeepSpeed launcher's 2 gloo processes, each computing every other shard, write the shards one process
-    writes, byte for byte, into one manifest; an interrupted 2-rank pass resumes with the shards it finished."""
+    writes, byte for byte, into one manifest; an interrupted 2-rank pass resumes with the shards it finished.
+    The ranks run in the strict-device mode."""
     from specdistill.data.cache_ranks import rank_file, rank_shards
     from specdistill.formats import write_json_atomic, write_manifest
 
@@ -186,7 +187,7 @@ def test_cache_pass_split_over_two_ranks_equals_one_process_and_resumes(tmp_path
     def two_ranks():
         cmd = processes.launcher_command("specdistill.data.cache", ["--recipe", str(recipe), "run_name=r",
                                                                     f"cache.dir={tmp_path / 'two'}", *settings], 2)
-        env = processes.process_env(torch.device("cpu"), 2, dict(os.environ))
+        env = processes.process_env(torch.device("cpu"), 2, {**os.environ, "SPECDISTILL_STRICT_DEVICE": "1"})
         done = processes.run_ranks(cmd, env, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return read_manifest(tmp_path / "runs" / "r" / "cache")

@@ -256,7 +256,9 @@ def test_resume_continues_the_same_schedule(tmp_path, tiny_target_dir, checkpoin
         assert rb["lr"] == pytest.approx(ra["lr"], rel=1e-9)
 
 
-def test_two_processes_match_one(tmp_path, tiny_target_dir, checkpoints_root):
+def test_two_processes_match_one(tmp_path, tiny_target_dir, checkpoints_root, monkeypatch):
+    """2 launcher ranks give one process's losses; the ranks run in the strict-device mode (as under make
+    gpu-check), so a tensor made without device= in a rank's code path (collectives, sharding) stops the run."""
     from specdistill.train import launch
 
     one = make_recipe(tmp_path, tiny_target_dir, "one", max_steps=3, save_every=3, micro_batch_size=2,
@@ -268,6 +270,7 @@ def test_two_processes_match_one(tmp_path, tiny_target_dir, checkpoints_root):
     launch.run(one)
     buffers = lambda: set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     before = buffers()
+    monkeypatch.setenv("SPECDISTILL_STRICT_DEVICE", "1")  # the launcher's ranks inherit it
     launch.run(two)  # the DeepSpeed launcher, 2 CPU processes (gloo)
     assert buffers() <= before, "the ranks' shared-memory all-reduce segments outlived the run"
     a, b = read_log(one.run_dir), read_log(two.run_dir)
