@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_measure
 
 
 def eval_result(divergences: list[dict]) -> dict:
@@ -77,7 +77,7 @@ def compiled(monkeypatch, deadline_in_s: float | None, build_s: float = 0.0) -> 
 
     model, head, ids, prompt = compiled_inputs(monkeypatch, build_s)
     args = Namespace(repeats=2, deadline=None if deadline_in_s is None else time.time() + deadline_in_s)
-    return gpu_check.measure_compiled(model, head, ids, prompt, 24, 2, 12, devices.clock("cpu"), args)
+    return gpu_measure.measure_compiled(model, head, ids, prompt, 24, 2, 12, devices.clock("cpu"), args)
 
 
 def llama8b_record(c: dict) -> dict:
@@ -93,15 +93,15 @@ def test_compiled_bf16_is_timed_and_its_t0_decode_compared(monkeypatch):
 
 
 def test_compiled_bf16_is_skipped_when_the_part_has_too_little_time_left(monkeypatch):
-    c = compiled(monkeypatch, deadline_in_s=gpu_check.COMPILED_MIN_S - 30)
+    c = compiled(monkeypatch, deadline_in_s=gpu_measure.COMPILED_MIN_S - 30)
     assert set(c) == {"runtime", "skipped"} and "under 120 s" in c["skipped"]
     assert gpu_check.compiled_line(llama8b_record(c)).startswith("compiled-bf16: skipped, ")
 
 
 def test_a_compile_past_the_part_limit_is_stopped_and_recorded_not_raised(monkeypatch):
     """The alarm stops the compiled step COMPILED_MARGIN_S before the part's limit: the static numbers stand."""
-    monkeypatch.setattr(gpu_check, "COMPILED_MIN_S", 2)
-    monkeypatch.setattr(gpu_check, "COMPILED_MARGIN_S", 1)
+    monkeypatch.setattr(gpu_measure, "COMPILED_MIN_S", 2)
+    monkeypatch.setattr(gpu_measure, "COMPILED_MARGIN_S", 1)
     c = compiled(monkeypatch, deadline_in_s=3, build_s=30)
     assert c["error"].startswith("_OutOfTime: stopped 1 s before") and c["seconds"] < 10
     assert gpu_check.compiled_line(llama8b_record(c)).startswith("compiled-bf16: ERROR _OutOfTime")
