@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 
 import specdistill.recipe
+from benchmarks.tiny import make_recipe, read_log, tiny_model, write_cache
 from specdistill import layout
 from specdistill.data import cache, prepare
 from specdistill.data.cache_reader import open_cache
 from specdistill.recipe import load_recipe
 from specdistill.train import launch
 from specdistill.train.loop import StepBatches, read_batches
-from tests.conftest import tiny_model
-from tests.test_train import make_recipe, read_log, write_cache
 
 
 def _median_tokens_per_s(run_dir: Path) -> float:
