@@ -15,16 +15,19 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 import specdistill.recipe
+from benchmarks.tiny import make_recipe, read_log, tiny_model, write_cache
+from specdistill import layout
 from specdistill.data import cache, prepare
+from specdistill.data.cache_reader import open_cache
 from specdistill.recipe import load_recipe
 from specdistill.train import launch
-from tests.conftest import tiny_model
-from tests.test_train import make_recipe, read_log, write_cache
+from specdistill.train.loop import StepBatches, read_batches
 
 
 def _median_tokens_per_s(run_dir: Path) -> float:
@@ -121,12 +124,6 @@ def default_head(rows: int = 96, steps: int = 6, only: list[str] | None = None, 
 
 def reader_tokens_per_s(recipe, steps: int = 40) -> dict[int, float]:
     """Tokens/s of the training reader alone (collated micro batches, the training order) over `recipe`'s cache."""
-    import time
-
-    from specdistill import layout
-    from specdistill.data.cache_reader import open_cache
-    from specdistill.train.loop import StepBatches, read_batches
-
     data = open_cache(layout.cache_dir(recipe.run_dir), "train")
     out = {}
     for workers in (0, 2):

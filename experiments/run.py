@@ -27,9 +27,13 @@ from benchmarks.run import BENCHES, run_stage
 from experiments import tables
 from experiments.schema import RECORDS, load, pinned_recipe
 from specdistill import device, layout, provenance
+from specdistill.eval.exactness import verify_rows_match
+from specdistill.eval.prompts import load_prompts
+from specdistill.eval.runtime import make_runtime, parse_runtime
 from specdistill.formats import read_jsonl
 from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
+from specdistill.target import load_target, load_tokenizer
 
 PIPELINE_STAGES = STAGE_ORDER  # what `make distill` runs
 # the decode and hybrid benches read the last checkpoint; the scaling and peer benches run their own stages
@@ -37,11 +41,6 @@ BENCH_NEEDS = {"decode": ("prepare", "cache", "train"), "hybrid": ("prepare", "c
 
 
 def run_exactness(exp) -> tuple[dict, list[list]]:
-    from specdistill.eval.exactness import verify_rows_match
-    from specdistill.eval.prompts import load_prompts
-    from specdistill.eval.runtime import make_runtime, parse_runtime
-    from specdistill.target import load_target, load_tokenizer
-
     results, rows = {}, []
     for arm in exp.arms:
         recipe = pinned_recipe(exp, arm)

@@ -2,7 +2,9 @@
 
 `recipe` is a complete recipe (every key of the schema written out, as `specdistill.recipe.recipe_dump`
 gives it), so the experiment does not move when a default changes; `arms` are the runs the table compares,
-each a list of `section.key=value` overrides of that recipe. `command` is what reproduces it, as written;
+each a list of `section.key=value` overrides of that recipe. A key added to the schema after the experiment's
+record was written (absent from the record's `settings`) may stay unpinned: the arm runs it at its default, as
+the record's run ran without it; a key the record has must be pinned. `command` is what reproduces it, as written;
 `python -m experiments.run <name>` runs the runner named by `runner` and writes experiments/records/<name>.json.
 """
 from __future__ import annotations
@@ -45,8 +47,8 @@ def names() -> list[str]:
 
 def load(name: str) -> Experiment:
     """The experiment file, validated: its fields, and its recipe complete and valid under the current schema,
-    with every arm's overrides applied (a renamed or removed key, or a key added to the schema and not pinned
-    here, stops with the key named)."""
+    with every arm's overrides applied (a renamed or removed key, or a key of the schema not pinned here that
+    the record's settings have, stops with the key named; with no record for the arm, every key is pinned)."""
     path = path_of(name)
     try:
         exp = Experiment.model_validate(yaml.safe_load(path.read_text()))
@@ -61,14 +63,55 @@ def load(name: str) -> Experiment:
         raise SpecdistillError(f"{path}: command must be `python -m experiments.run {name}`, not {exp.command!r}")
     if (exp.runner == "bench") != (exp.bench is not None):
         raise SpecdistillError(f"{path}: bench names the benchmark of runner bench, and only of it")
-    for arm, overrides in exp.arms.items():
-        recipe = pinned_recipe(exp, arm)
-        full = recipe_dump(recipe)
-        # pinned by the recipe or by the arm's overrides (an arm of another draft kind sets that kind's keys)
-        missing = sorted(set(missing_keys(full, exp.recipe)) & set(missing_keys(full, arm_recipe(exp, arm))))
+    recorded = recorded_settings(name)
+    for arm in exp.arms:
+        record = recorded.get(arm)
+        missing = [key for key in unpinned(exp, arm) if record is None or has_key(record, key)]
         if missing:
             raise SpecdistillError(f"{path}: recipe does not pin {', '.join(missing)} (a default it would inherit)")
     return exp
+
+
+def recorded_settings(name: str) -> dict[str, dict]:
+    """The record's settings, arm -> the full recipe it ran ({} when the experiment has no record yet)."""
+    path = RECORDS / f"{name}.json"
+    return json.loads(path.read_text())["settings"] if path.is_file() else {}
+
+
+def unpinned(exp: Experiment, arm: str) -> list[str]:
+    """Keys of the arm's full recipe that neither the recipe nor the arm's overrides pin (an arm of another draft
+    kind sets that kind's keys)."""
+    full = recipe_dump(pinned_recipe(exp, arm))
+    return sorted(set(missing_keys(full, exp.recipe)) & set(missing_keys(full, arm_recipe(exp, arm))))
+
+
+def newer_than_record(exp: Experiment, arm: str, record: dict | None) -> list[str]:
+    """The unpinned keys the record's settings for this arm lack: added to the schema after the record was
+    written, run at their defaults. None when there is no record of the arm (then no key is newer)."""
+    if record is None:
+        return []
+    return [key for key in unpinned(exp, arm) if not has_key(record, key)]
+
+
+def has_key(tree: dict, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def settings_as_recorded(exp: Experiment, arm: str, record: dict | None) -> dict:
+    """The arm's full recipe less the keys newer than its record: what the record's settings hold when the file
+    has not changed since the record was written."""
+    full = recipe_dump(pinned_recipe(exp, arm))
+    for key in newer_than_record(exp, arm, record):
+        *parents, last = key.split(".")
+        node = full
+        for part in parents:
+            node = node[part]
+        del node[last]
+    return full
 
 
 def arm_recipe(exp: Experiment, arm: str) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from benchmarks import peer_bench
+from benchmarks import peer_table
 from specdistill.eval.served import headless_divergence, verdict, vllm_own_divergence
 from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
@@ -198,7 +198,7 @@ def planned_run(results: dict) -> list[list[str]]:
 
 def peer(results: dict) -> list[list[str]]:
     """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
-    return peer_bench.rows(results["main"])
+    return peer_table.rows(results["main"])
 
 
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,

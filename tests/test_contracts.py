@@ -4,6 +4,9 @@ tree stepper rely on; an object that lacks a member fails the same checks."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from specdistill.eval.engine import NoDraft
 from specdistill.formats import write_checkpoint
 from specdistill.recipe import Recipe
 
+ROOT = Path(__file__).resolve().parent.parent
 KINDS = kinds.all_kinds()
 IDS = [k.package for k in KINDS]
 
@@ -95,3 +99,37 @@ def test_an_object_missing_a_member_fails_the_checks():
     assert isinstance(type("Whole", (), surface)(), contracts.DraftKind)
     del surface["export"]
     assert not isinstance(type("NoExport", (), surface)(), contracts.DraftKind)
+
+
+# A copy of Medusa's package under a new name, found on the registry's own path (specdistill/kinds' __path__,
+# where pkgutil looks): the registry lists it, and every per-kind test collects a case for it.
+FIFTH_KIND = """
+import importlib.util, sys
+spec = importlib.util.find_spec("specdistill.kinds")
+spec.submodule_search_locations.append(sys.argv[1])
+kinds = importlib.util.module_from_spec(spec)
+sys.modules["specdistill.kinds"] = kinds
+spec.loader.exec_module(kinds)
+print("KIND_NAMES", " ".join(kinds.KIND_NAMES))
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", *sys.argv[2:]]))
+"""
+PER_KIND = {"tests/test_contracts.py": 2, "tests/test_chain_tau.py": 4, "tests/test_engine.py": 1,
+            "tests/test_exactness.py": 5, "tests/test_hybrid.py": 1, "tests/test_strict_device_eval.py": 10}
+
+
+def test_a_copied_kind_is_found_and_every_per_kind_test_runs_it(tmp_path):
+    source = Path(kinds.__file__).parent / "medusa"
+    copy = tmp_path / "hydra"
+    copy.mkdir()
+    for path in source.glob("*.py"):
+        (copy / path.name).write_text(path.read_text().replace("medusa", "hydra").replace("Medusa", "Hydra"))
+    done = subprocess.run([sys.executable, "-c", FIFTH_KIND, str(tmp_path), *PER_KIND], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "KIND_NAMES eagle eagle3 hydra medusa draft_lm" in done.stdout  # by name, draft_lm still asked last
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    for test_file, cases in PER_KIND.items():
+        hydra = [c for c in collected if c.startswith(test_file) and "hydra" in c]
+        medusa = [c for c in collected if c.startswith(test_file) and "medusa" in c]
+        assert len(hydra) == len(medusa) >= cases, (test_file, hydra, medusa)

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdistill import kinds
 from specdistill.errors import SpecdistillError
 from specdistill.decoding import sampling
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
@@ -234,12 +235,17 @@ JOINT_VOCAB, JOINT_TOKENS, JOINT_K = 5, 3, 2
 
 
 def joint_case(draft_name: str):
-    """A target over 5 tokens and a real draft of the given kind (EAGLE-3 drafts over 4 of the 5 ids)."""
+    """A target over 5 tokens and a real draft of the given kind (EAGLE-3 drafts over 4 of the 5 ids; Medusa
+    with JOINT_K heads); a registry kind without a builder here fails by name."""
+    from tests.test_medusa import medusa_for  # test_medusa imports this module
+
     vocab = JOINT_VOCAB
     tgt = llama(vocab, seed=3, init=0.1)  # p neither flat nor peaked: acceptance ~0.75, context matters
-    draft = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.1), "eagle": lambda: eagle_for(tgt),
-             "eagle3": lambda: eagle3_for(tgt, [0, 1, 3, 4])}[draft_name]()
-    return tgt, draft
+    builders = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.1), "eagle": lambda: eagle_for(tgt),
+                "eagle3": lambda: eagle3_for(tgt, [0, 1, 3, 4]),
+                "medusa": lambda: medusa_for(tgt, heads=JOINT_K, std=0.05)}
+    assert draft_name in builders, f"no joint case of kind {draft_name!r} in {__file__}: add its builder"
+    return tgt, builders[draft_name]()
 
 
 def joint_pvalue(draft_name: str, runs: int = 1500, make_decoder=None) -> tuple[float, list[int]]:
@@ -276,7 +282,7 @@ def sampled_joint_pvalue(decoder, prompt, temperature: float, joint: torch.Tenso
     return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue, accepted
 
 
-@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle", "eagle3"])
+@pytest.mark.parametrize("draft_name", kinds.KIND_NAMES)
 def test_sampling_distribution_matches_target(draft_name):
     """The engine's own path (propose -> verify_chain -> commit -> crop) at depth 2: joint of 3 tokens."""
     pvalue, accepted = joint_pvalue(draft_name)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import Field
 
+import specdistill.recipe as recipe_module
 from experiments import render, schema, tables
 from specdistill.errors import SpecdistillError
 from specdistill.recipe import recipe_dump
@@ -19,7 +21,8 @@ def test_experiment_file_validates_and_matches_its_record(name):
     assert record["experiment"] == name and record["command"] == exp.command
     assert record["table"]["columns"] == exp.columns
     assert record["provenance"].startswith(("run by", "recorded from", "transcribed from"))
-    assert record["settings"] == {arm: recipe_dump(schema.pinned_recipe(exp, arm)) for arm in exp.arms}, \
+    assert record["settings"] == {arm: schema.settings_as_recorded(exp, arm, record["settings"].get(arm))
+                                  for arm in exp.arms}, \
         f"experiments/{name}.yaml changed since its record was written: rerun it or transcribe again"
 
 
@@ -70,6 +73,49 @@ def test_an_unpinned_or_unknown_key_is_caught(tmp_path, monkeypatch):
         (tmp_path / "objective.yaml").write_text(json.dumps({**exp.model_dump(), "recipe": recipe}))
         with pytest.raises(SpecdistillError, match=message):
             schema.load("objective")
+
+
+@pytest.fixture
+def schema_with_a_new_key(monkeypatch):
+    """The recipe schema with a key added since every record was written (`eval.added_later`, default 7)."""
+    class Eval(recipe_module.EvalConfig):
+        added_later: int = 7
+
+    class Recipe(recipe_module.Recipe):
+        eval: Eval = Field(default_factory=Eval)
+
+    monkeypatch.setattr(recipe_module, "Recipe", Recipe)
+    return "eval.added_later"
+
+
+def test_a_key_added_to_the_schema_after_the_record_needs_no_edit(schema_with_a_new_key):
+    """Every experiment file still loads (the key is newer than its record), each arm runs the key's default,
+    and each file still matches its record."""
+    for name in schema.names():
+        exp = schema.load(name)
+        record = render.read_record(name)["settings"]
+        for arm in exp.arms:
+            assert schema.pinned_recipe(exp, arm).eval.added_later == 7
+            assert schema.newer_than_record(exp, arm, record[arm]) == [schema_with_a_new_key]
+            assert schema.settings_as_recorded(exp, arm, record[arm]) == record[arm]
+            assert recipe_dump(schema.pinned_recipe(exp, arm)) != record[arm]  # the full recipe has the key
+
+
+def test_a_key_the_record_pinned_is_refused_when_the_file_drops_it(schema_with_a_new_key, tmp_path, monkeypatch):
+    """The new key is let through, a key the record has is not (train.lr dropped from the file), and without a
+    record every key must be pinned, the new one too."""
+    exp = schema.load("objective")
+    monkeypatch.setattr(schema, "EXPERIMENTS", tmp_path)
+    recipe = json.loads(json.dumps(exp.recipe))
+    recipe["train"].pop("lr")
+    (tmp_path / "objective.yaml").write_text(json.dumps({**exp.model_dump(), "recipe": recipe}))
+    with pytest.raises(SpecdistillError, match=r"does not pin train\.lr \("):  # the new key is not named
+        schema.load("objective")
+    (tmp_path / "objective.yaml").write_text(json.dumps(exp.model_dump()))
+    assert schema.load("objective") == exp
+    monkeypatch.setattr(schema, "RECORDS", tmp_path)  # no record: nothing is newer than it
+    with pytest.raises(SpecdistillError, match=r"does not pin eval\.added_later \("):
+        schema.load("objective")
 
 
 def test_exactness_record_table_is_its_results():

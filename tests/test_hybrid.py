@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdistill import kinds
 from specdistill.decoding.hybrid import HybridDrafter
 from specdistill.decoding.lookup import PromptLookup
 from specdistill.eval.engine import SpeculativeDecoder, make_drafter
@@ -66,7 +67,7 @@ def test_head_after_lookup_steps_drafts_as_a_from_scratch_head(target):
     assert_drafts_from_scratch(target, head, drafter.seen)
 
 
-@pytest.mark.parametrize("draft_name", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("draft_name", kinds.KIND_NAMES)
 def test_hybrid_sampling_distribution_matches_target(draft_name):
     """T = 1: the first 3 tokens' joint against p(t1, t2, t3), lookup (any recurring token) or the head drafting."""
     def hybrid(tgt, draft):

@@ -12,12 +12,13 @@ import json
 import pytest
 import torch
 
-from specdistill import device
+from specdistill import device, kinds
 from specdistill.eval import comparators, evaluate, offline
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import forward_costs, make_runtime
 from specdistill.eval.tree import TreeDecoder
 from tests.test_engine import eagle3_for, eagle_for, llama
+from tests.test_medusa import medusa_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,17 +27,16 @@ PROMPT = [5, 17, 300, 11, 42, 8, 99]
 NEW = 10
 RUNTIMES = ["eager-fp32", "static-fp32", "static-bf16"]
 TREE = {"kind": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}
+TREE_KINDS = [name for name in kinds.KIND_NAMES if kinds.kind(name).DRAFTS_TREES]
 
 
 def drafts_for(target, kind: str):
-    """A fresh draft of `kind` for `target` (None: plain decoding)."""
-    if kind == "eagle":
-        return eagle_for(target)
-    if kind == "eagle3":
-        return eagle3_for(target, list(range(0, V, 2)))
-    if kind == "draft_lm":
-        return llama(V, seed=1, layers=1)
-    return None
+    """A fresh draft of `kind` for `target` (plain: None); a registry kind without a builder here fails by name."""
+    builders = {"plain": lambda: None, "eagle": lambda: eagle_for(target),
+                "eagle3": lambda: eagle3_for(target, list(range(0, V, 2))), "medusa": lambda: medusa_for(target),
+                "draft_lm": lambda: llama(V, seed=1, layers=1)}
+    assert kind in builders, f"no tiny draft of kind {kind!r} in {__file__}: add its builder"
+    return builders[kind]()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def plain(runtime, temperature=0.0, seed=0):
 
 
 @pytest.mark.parametrize("runtime_name", RUNTIMES)
-@pytest.mark.parametrize("kind", ["plain", "eagle", "eagle3", "draft_lm"])
+@pytest.mark.parametrize("kind", ["plain", *kinds.KIND_NAMES])
 def test_chain_decoding_is_device_clean(runtimes, runtime_name, kind):
     runtime = runtimes[runtime_name]
     draft = drafts_for(runtime.model, kind)
@@ -64,7 +64,7 @@ def test_chain_decoding_is_device_clean(runtimes, runtime_name, kind):
 
 
 @pytest.mark.parametrize("runtime_name", RUNTIMES)
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", TREE_KINDS)
 @pytest.mark.parametrize("tree", [TREE, {"kind": "static", "depth": 2, "top_k": 2}])
 def test_tree_decoding_is_device_clean(runtimes, runtime_name, kind, tree):
     runtime = runtimes[runtime_name]
@@ -97,7 +97,7 @@ def test_cost_curve_is_device_clean(runtimes, runtime_name):
     assert set(costs) == {"1", "2", "5"} and all(ms > 0 for ms in costs.values())
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_lm"])
+@pytest.mark.parametrize("kind", kinds.KIND_NAMES)
 def test_offline_metrics_on_prompts_are_device_clean(kind):
     target = llama(V, seed=0, layers=4)
     draft = drafts_for(target, kind)

@@ -26,19 +26,28 @@ everything about it; what two kinds share is in `common/` (a kind never imports 
 names is first asked for, so the recipe, `specdistill config` and `specdistill report` (config.py's names
 only) never import torch.
 
-Adding a kind: its package here, and its name in KIND_NAMES below (docs/DESIGN.md "Adding a kind").
+Adding a kind: its package here; KIND_NAMES finds it (docs/DESIGN.md "Adding a kind").
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import types
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_checkpoint
 
-# The registry: every kind, by package name. draft_lm last: it owns any causal LM (`kind_of` asks in order).
-KIND_NAMES = ("eagle", "eagle3", "medusa", "draft_lm")
+def discover(paths) -> tuple[str, ...]:
+    """Every kind package under `paths` (`common` is not a kind), by name, those whose `__init__.py` sets
+    ASKED_LAST after the rest: `kind_of` asks in this order, and draft_lm owns any causal LM."""
+    names = sorted(m.name for m in pkgutil.iter_modules(paths) if m.ispkg and m.name != "common")
+    last = [n for n in names if getattr(importlib.import_module(f"{__name__}.{n}"), "ASKED_LAST", False)]
+    return tuple([n for n in names if n not in last] + last)
+
+
+# The registry: every kind, by package name (eagle, eagle3, medusa, draft_lm).
+KIND_NAMES = discover(__path__)
 
 
 FILES = ("config", "model", "objective", "drafter", "formats")  # the files of every kind package

@@ -9,3 +9,5 @@ smaller layers; everything about it in this package.
   drafter    its own KV cache, K tokens autoregressively
   formats    checkpoint (a plain causal LM, LoRA merged); export hf (vLLM's `draft_model` method)
 """
+
+ASKED_LAST = True  # its `owns` claims any module: `kind_of` asks every other kind first
