@@ -83,8 +83,6 @@ def measure_decode(recipe_path: Path, args, prefix: int = 256, k: int = 4, new_t
                    record: dict | None = None) -> dict:
     """v(M), d (a draft step / one target forward) and T=0 exactness in the static bf16 runtime, every timer
     through device.clock; the head is the one llama8b just trained (4 steps: its acceptance is not the point)."""
-    from specdistill.recipe import load_recipe
-
     recipe = load_recipe(recipe_path)
     dev = devices.resolve(args.device)
     now = devices.clock(dev)

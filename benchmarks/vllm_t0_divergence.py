@@ -42,7 +42,7 @@ def decode(target: str, dtype: str, speculative: bool, max_tokens: int) -> list[
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in PROMPTS]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    llm = LLM(target, dtype=dtype, max_model_len=1024, seed=0, enforce_eager=True,
+    llm = LLM(target, dtype=dtype, max_model_len=1024, seed=0,
               speculative_config=NGRAM if speculative else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
     out = []
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("target")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None, help="write the comparison as JSON here")
     ap.add_argument("--engine", choices=["plain", "ngram"], help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--engine-out", help=argparse.SUPPRESS)

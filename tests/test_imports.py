@@ -116,8 +116,6 @@ def test_config_and_report_do_not_import_torch(stage, tmp_path):
 # and nothing imports them.
 LAYERS = {"tests": 7, "experiments": 6, "benchmarks": 5, "cli": 4, "stages": 3, "config": 2, "kinds": 1, "core": 0}
 TOOLS = ("benchmarks", "experiments", "tests")  # top-level import names of the project's own code besides specdistill
-# benchmarks/gpu_check.py still defers imports of light modules; its split (another branch) fixes that; remove then
-NOT_CHECKED = {"benchmarks/gpu_check.py"}
 CONFIG = {"specdistill.recipe", "specdistill.stages"}  # the recipe schema gathers every kind's sections
 HEAVY = ("torch", "transformers", "deepspeed")  # a deferred import may wait for these, nothing else
 # parts of the core counted as packages of their own, so a two-way street between one and the rest is named
@@ -201,8 +199,6 @@ def import_problems(root: Path = ROOT) -> list[str]:
     files = module_files(root)
     problems, streets = [], {}
     for module, path in files.items():
-        if str(path.relative_to(root)) in NOT_CHECKED:
-            continue
         src = package_of(module)
         for name, line, deferred in project_imports(path):
             where = f"{path.relative_to(root)}:{line}"
