@@ -115,6 +115,11 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ...: with the same instruction set, oneDNN picks other kernels per vendor."""
+    return _cpuinfo("vendor_id") or platform.machine()
+
+
 def cpu_isa() -> str:
     """The vector instruction set torch's CPU kernels use here ("AVX512", "AVX2", ...), plus the native bf16
     instructions the CPU has: results and speed depend on it (on AVX2, bf16 matmuls are emulated, ~8x slower
