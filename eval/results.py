@@ -162,9 +162,13 @@ def checkpoint_tokens_seen(step_dir: Path) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+# Eval keys that shape another stage's result, never the eval's (a change of them leaves an eval result fresh).
+NOT_EVAL_SETTINGS = {"workload_prompts"}
+
+
 def eval_settings(recipe) -> dict:
     """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
-    return recipe.eval.model_dump(mode="json")
+    return recipe.eval.model_dump(mode="json", exclude=NOT_EVAL_SETTINGS)
 
 
 def recipe_runtime(recipe) -> str:

@@ -183,6 +183,8 @@ class EvalConfig(Section):
     checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
                                                              "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True
+    workload_prompts: int = Field(4, ge=0, description="prompts of each workload the workloads stage decodes "
+                                  "(eval/by_workload.py: chat, summarise, passage_qa, code, math); 0: skip it")
     seed: int = 0
     tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "
                                     "or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
