@@ -163,8 +163,10 @@ def checkpoint_tokens_seen(step_dir: Path) -> int | None:
 
 
 def eval_settings(recipe) -> dict:
-    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
-    return recipe.eval.model_dump(mode="json")
+    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's. Less
+    eval.processes: how many processes share the checkpoints changes no measurement (each checkpoint is decoded
+    by one process on one device as a serial eval decodes it), and a worker runs with processes=1."""
+    return recipe.eval.model_dump(mode="json", exclude={"processes"})
 
 
 def recipe_runtime(recipe) -> str:
