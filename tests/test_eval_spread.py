@@ -13,6 +13,8 @@ import torch
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval import evaluate, spread
+from specdistill.eval.results import check_freshness
+from specdistill.recipe import EvalConfig
 from specdistill.target import load_target
 from tests.helpers import tiny_recipe
 from tests.test_evaluate import QUESTIONS, write_eagle_checkpoint
@@ -137,3 +139,14 @@ def test_a_failing_process_is_named_with_its_log(setup):
     assert line.startswith(("eval process 0 (cpu) exited with status 1", "eval process 1 (cpu) exited with status 1"))
     assert f"specdistill eval: error: eval.prompts {recipe.eval.prompts}: no such file (log {log})" in line
     assert "no such file" in log.read_text()
+
+
+def test_how_many_processes_ran_never_makes_a_result_stale(tmp_path):
+    """eval.processes is not an eval setting: a result recording it (the whole eval section) matches a recipe with
+    another value, while another K still does not."""
+    now = EvalConfig().model_dump(mode="json")
+    evals = [{"checkpoint": "step-0000001", "eval_settings": {**now, "processes": 4}},
+             {"checkpoint": "step-0000001", "eval_settings": {**now, "processes": 4, "k": 7}}]
+    check_freshness(evals, tmp_path, now)
+    assert [r for r in evals[0]["_stale"] if "settings" in r] == []
+    assert evals[1]["_stale"][-1] == "eval settings differ from the recipe's: k 7 → 4"
