@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specdistill import device as devices
 from specdistill import integrity, kinds, layout, provenance
-from specdistill.eval import chain_tau, comparators, exactness
+from specdistill.eval import chain_tau, comparators, exactness, spread
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
 from specdistill.eval.prompts import load_prompts, load_tuning_prompts
@@ -27,8 +27,7 @@ from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, held
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, ratio_ci95, spec_timed, speedup_over,
                                       summarise_temperature, summarise_tree, timed_per_prompt)
-from specdistill.eval.tables import (FP32_PLAIN, PLAIN_COMPARATORS, summary_line, tree_label, tree_lossless,
-                                     vs_fastest_cell)
+from specdistill.eval.tables import FP32_PLAIN, PLAIN_COMPARATORS, summary_lines
 from specdistill.eval.tree import TreeDecoder
 from specdistill.errors import SpecdistillError
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
@@ -300,6 +299,8 @@ def run(recipe, args) -> list[Path]:
     if short := one_device_shortfall(recipe.target, device):
         raise SpecdistillError(f"eval: {short}: the eval holds the target on one GPU (the cache pass alone spreads "
                                "it over several)")
+    if (processes := spread.process_count(recipe, device, len(steps))) > 1:  # one process per GPU (eval/spread.py)
+        return spread.spread(recipe, steps, processes, device, name)
     target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
@@ -316,13 +317,13 @@ def run(recipe, args) -> list[Path]:
         reference_model = (target if target.dtype == torch.float32 else
                            load_target(recipe.target.model_copy(update={"dtype": "float32"}), device=target.device))
         reference = transformers_greedy(reference_model, prompts, recipe.eval.max_new_tokens, eos, pad_id)
-    written = []
+    written, last = [], getattr(args, "comparators_with", None) or steps[-1].name  # a spread process: the run's last
     for step_dir in steps:
         draft = kinds.load_draft(step_dir, target)
         report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, layout.step_of(step_dir),
                                      read_draft_config(step_dir)["kind"], heldout_metrics(step_dir),
                                      # assisted generation is the one comparator that reads the draft
-                                     with_comparators=step_dir == steps[-1] or comparators.assistant_of(draft) is not None,
+                                     with_comparators=step_dir.name == last or comparators.assistant_of(draft) is not None,
                                      reference_tokens=reference, reference_model=reference_model,
                                      reference_skipped=reference_skipped,
                                      fingerprint=checkpoint_fingerprint(step_dir),
@@ -330,17 +331,7 @@ def run(recipe, args) -> list[Path]:
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_result(recipe.run_dir, step_dir.name, recipe.eval, name)  # never another prompt set's
         write_eval(out, report)
-        for r in report["results"]:
-            print(summary_line(report, r), flush=True)
-            if "tree" in r:
-                t = r["tree"]
-                lossless = "lossless yes" if tree_lossless(t) else "NOT lossless"
-                print(f"{report['checkpoint']} T=0 {tree_label(t['shape'], t)}: tau {t['tau']:.2f}  speedup "
-                      f"{t['speedup']:.2f}x  {t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
-                      f"{lossless}  over the fastest plain decoding: {vs_fastest_cell(report, r, t, unit='x')}", flush=True)
-        for name, c in report["comparators"].items():
-            flag = ", NOT lossless" if c.get("lossless") is False or c.get("lossless_vs_transformers") is False else ""
-            print(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
-                  f"speedup {c['speedup']:.2f}x vs our baseline{flag}", flush=True)
+        for line in summary_lines(report):
+            print(line, flush=True)
         written.append(out)
     return written

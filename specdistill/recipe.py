@@ -198,6 +198,11 @@ class EvalConfig(Section):
         "lossless against transformers' greedy generate() and runs plain_static-fp32: auto = loaded unless the "
         "GPU's free memory is short, true = always, false = never (lossless against our own plain decoding is "
         "still checked; a float32 target is its own reference, no copy)")
+    processes: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="eval processes, the checkpoints split between them (eval/spread.py): auto = one per "
+        "visible GPU when `device` is CUDA without an index, else 1; N on CUDA: N GPUs, one process each (at most "
+        "the visible GPUs), on the CPU: N processes sharing the cores. Each process holds its own target (and "
+        "float32 reference) on its GPU. Not an eval setting of the results: it changes no measurement")
 
 
 class ExportConfig(Section):
