@@ -72,11 +72,9 @@ class CacheConfig(Section):
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_new_tokens: int = Field(256, ge=1)
     regenerate_batch_size: int = Field(32, ge=1, description="prompts per batch of transformers' generate")
-    regenerate_engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="who generates: transformers' batched generate in this process, or vLLM's "
-                                    "batched generation in its own environment (served.python; `make setup-vllm`)")
-    regenerate_vllm_args: dict = Field(default_factory=dict, description="more arguments of vLLM's LLM(...) when "
-                                       "regenerate_engine is vllm (e.g. {enforce_eager: true})")
+    regenerate_engine: Literal["transformers", "vllm"] = Field("transformers", description="transformers' generate "
+                                                               "here, or vLLM's in .venv-vllm (data/vllm_generate.py)")
+    regenerate_vllm_args: dict = Field(default_factory=dict, description="more arguments of vLLM's LLM(...)")
     regenerate_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the corpus rows the target "
                                        "answers itself; the others keep the corpus's answers (a mix)")
     regenerate_thinking: bool | None = Field(None, description="thinking mode of the target while it regenerates "
