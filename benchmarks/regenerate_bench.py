@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def main(argv=None, toy: bool = False) -> dict:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--cache-rows", type=int, default=100)
-    args = parser.parse_args([*TOY, *(argv or [])] if toy else argv)
+    args = parser.parse_args([*TOY, *(argv or [])] if toy else (argv or []))  # not sys.argv: `make bench` names the bench there
     args.toy = toy
     recipe = recipe_for(args)
     tokenizer = load_tokenizer(TARGET)
@@ -79,4 +80,4 @@ def main(argv=None, toy: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
