@@ -14,6 +14,7 @@ everything about it; what two kinds share is in `common/` (a kind never imports 
                 shapes(recipe, target_config)   the same on the meta device
                 owns(module)   whether a loaded module is this kind's (the engine and the eval ask it)
                 draft_vocabulary(draft)   the target ids it can propose when fewer than the target's, else None
+                tiny_draft(target_model, k)   a small seeded random draft: the kind's case in the per-kind tests
   objective.py  Objective(head, parts, loss, data)   what DeepSpeed wraps: forward(batch, generator) ->
                 predictions; `loss(pred)` -> (loss, components); `offline_metrics(batches)`
   drafter.py    drafter(draft, target_model, static)   what the decode loop calls to draft (eval/engine.py)
