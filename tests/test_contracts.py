@@ -38,7 +38,8 @@ def target():
 
 
 def loaded_draft(kind, target, tmp_path):
-    """A draft of `kind` (the recipe's defaults) through a checkpoint and kinds.load_draft, as the eval loads one."""
+    """A draft of `kind` (the recipe's defaults) through a checkpoint and kinds.load_draft, as the eval loads one:
+    the module and the kind the checkpoint names."""
     recipe = Recipe.model_validate({"run_name": "t", "target": {"path": "unused"}, "corpus": {"path": "x.jsonl"},
                                     "draft": {"kind": kind.NAME}, "train": {"max_steps": 1, "save_every": 1}})
     draft = kind.shapes(recipe, target.config).to_empty(device="cpu")
@@ -66,8 +67,10 @@ def test_every_kind_satisfies_the_kind_surface(kind):
 
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 def test_every_kinds_loaded_draft_makes_a_drafter_of_the_contract(kind, target, tmp_path):
-    draft = loaded_draft(kind, target, tmp_path)
-    assert isinstance(draft, torch.nn.Module) and kinds.kind_of(draft) is kind
+    loaded = loaded_draft(kind, target, tmp_path)
+    draft = loaded.module
+    assert loaded.kind is kind and isinstance(draft, torch.nn.Module) and kinds.kind_of(draft) is kind
+    assert kinds.loaded(loaded) is loaded and kinds.loaded(draft) == loaded  # a bare module: the kind that owns it
     drafter = kind.drafter(draft, target)
     assert isinstance(drafter, contracts.Drafter) and not isinstance(drafter, torch.nn.Module)
     assert drafter.needs_features == (kind.DRAFTER_READS is not None)
