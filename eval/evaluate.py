@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from specdistill import device as devices
 from specdistill import integrity, kinds, layout, provenance
-from specdistill.eval import chain_tau, comparators, exactness
+from specdistill.eval import chain_tau, comparators, exactness, spread
 from specdistill.eval.comparison import (SPECULATIVE_COMPARATORS, comparator_report, comparators_note, fastest_plain,
                                          vs_fastest)
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
@@ -33,7 +33,7 @@ from specdistill.eval.reference import (divergences, fp32_reference_model, fp32_
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
-from specdistill.eval.tables import FP32_PLAIN, summary_line, tree_label, tree_lossless, vs_fastest_cell
+from specdistill.eval.tables import FP32_PLAIN, summary_lines
 from specdistill.eval.tree import TreeDecoder
 from specdistill.errors import SpecdistillError
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, write_eval
@@ -324,6 +324,8 @@ def run(recipe, args) -> list[Path]:
     if short := one_device_shortfall(recipe.target, device):
         raise SpecdistillError(f"eval: {short}: the eval holds the target on one GPU (the cache pass alone spreads "
                                "it over several)")
+    if (processes := spread.process_count(recipe, device, len(steps))) > 1:  # one process per GPU (eval/spread.py)
+        return spread.spread(recipe, steps, processes, device, name)
     target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
     runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
@@ -340,29 +342,19 @@ def run(recipe, args) -> list[Path]:
         reference_model = (target if target.dtype == torch.float32 else
                            load_target(recipe.target.model_copy(update={"dtype": "float32"}), device=target.device))
         reference = transformers_greedy(reference_model, prompts, recipe.eval.max_new_tokens, eos, pad_id)
-    written = []
+    written, last = [], getattr(args, "comparators_with", None) or steps[-1].name  # a spread process: the run's last
     shared = EvalRun(recipe, target, tokenizer, prompts, runtime, reference, reference_model, reference_skipped)
     for step_dir in steps:
         draft = kinds.load_draft(step_dir, target)
         report = evaluate_checkpoint(shared, draft, step_dir.name, layout.step_of(step_dir), heldout_metrics(step_dir),
                                      # assisted generation is the one comparator that reads the draft
-                                     with_comparators=step_dir == steps[-1] or
+                                     with_comparators=step_dir.name == last or
                                      comparators.assistant_of(draft.module) is not None,
                                      fingerprint=checkpoint_fingerprint(step_dir))
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_result(recipe.run_dir, step_dir.name, recipe.eval, name)  # never another prompt set's
         write_eval(out, report)
-        for r in report["results"]:
-            print(summary_line(report, r), flush=True)
-            if "tree" in r:
-                t = r["tree"]
-                lossless = "lossless yes" if tree_lossless(t) else "NOT lossless"
-                print(f"{report['checkpoint']} T=0 {tree_label(t['shape'], t)}: tau {t['tau']:.2f}  speedup "
-                      f"{t['speedup']:.2f}x  {t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
-                      f"{lossless}  over the fastest plain decoding: {vs_fastest_cell(report, r, t, unit='x')}", flush=True)
-        for name, c in report["comparators"].items():
-            flag = ", NOT lossless" if c.get("lossless") is False or c.get("lossless_vs_transformers") is False else ""
-            print(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
-                  f"speedup {c['speedup']:.2f}x vs our baseline{flag}", flush=True)
+        for line in summary_lines(report):
+            print(line, flush=True)
         written.append(out)
     return written

@@ -30,6 +30,7 @@ from specdistill.eval.plots import (plot_alpha_vs_fkl, plot_alpha_vs_predicted, 
 from specdistill.eval.results import (check_freshness, eval_settings, heldout_simulated_tau, load_evals, offline,
                                       recipe_runtime, result_at, run_key, temperatures)
 from specdistill.eval.served_tables import served_summary
+from specdistill.eval.workload_tables import workload_section
 from specdistill.eval.scaling import scaling_fits, scaling_points, scaling_section, scaling_summary
 from specdistill.eval.tables import (DASH, NOT_TIMED, category_table, chain_vs_tree_table, checkpoint_table, ci,
                                      comparator_table, cost_table, coverage_section, fastest_was_timed, label,
@@ -252,6 +253,7 @@ def write_report(runs: dict[str, list[dict]], out_dir: Path, command: str,
     scaling = scaling_section(points, fits, many, figures["tau_vs_tokens.png"].name)
     lines = head(best, evals, t0, headline)
     text = render(runs, evals, many, best, lines, footer, command, figures, scaling, served_section(run_dirs or {}))
+    text += workload_section(run_dirs or {})
     write_text_atomic(out_dir / "report.md", text)
     return out_dir / "report.md", "\n".join(line.removeprefix("- ").replace("**", "") for line in lines)
 

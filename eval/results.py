@@ -97,6 +97,14 @@ def changed(had: dict, now: dict) -> list[str]:
 # Eval keys added after results were first written, with the value a result written before them was measured
 # under: such a result is not stale for lacking the key.
 EVAL_KEYS_ADDED = {"fp32_reference": "auto"}
+# Eval keys that change no measurement of the eval (`eval_settings` leaves them out): never a reason for a result to
+# be stale. processes: how many processes share the checkpoints; workload_prompts: the workloads stage's, not the eval's.
+NOT_EVAL_SETTINGS = {"processes", "workload_prompts"}
+
+
+def measured(settings: dict) -> dict:
+    """Eval settings less NOT_EVAL_SETTINGS (a result may record the whole eval section)."""
+    return {k: v for k, v in settings.items() if k not in NOT_EVAL_SETTINGS}
 
 
 def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None = None,
@@ -121,7 +129,7 @@ def check_freshness(evals: list[dict], run_dir: Path, eval_settings: dict | None
             had = e.get("eval_settings")
             if had is None:
                 reasons.append("unverified: no eval settings recorded")
-            elif diff := changed({**EVAL_KEYS_ADDED, **had}, eval_settings):
+            elif diff := changed(measured({**EVAL_KEYS_ADDED, **had}), measured(eval_settings)):
                 reasons.append("eval settings differ from the recipe's: " + ", ".join(
                     f"{k} {had.get(k, EVAL_KEYS_ADDED.get(k))!r} → {eval_settings.get(k)!r}" for k in diff))
         if run_key is not None:
@@ -163,8 +171,11 @@ def checkpoint_tokens_seen(step_dir: Path) -> int | None:
 
 
 def eval_settings(recipe) -> dict:
-    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's."""
-    return recipe.eval.model_dump(mode="json")
+    """The recipe's eval section as JSON: a result measured under other settings is not this recipe's. Less
+    eval.processes: how many processes share the checkpoints changes no measurement (each checkpoint is decoded
+    by one process on one device as a serial eval decodes it), and a worker runs with processes=1; less
+    eval.workload_prompts, which only the workloads stage reads."""
+    return recipe.eval.model_dump(mode="json", exclude=NOT_EVAL_SETTINGS)
 
 
 def recipe_runtime(recipe) -> str:

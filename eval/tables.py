@@ -332,3 +332,22 @@ def summary_line(result: dict, r: dict) -> str:
             f"{num(r.get('baseline_tokens_per_s'), 1)} tok/s)  draft {num(r.get('ms_per_draft_step'), 1)} ms/step  "
             f"verify {num(r.get('ms_per_verify'), 1)} ms  lossless {lossless}{vs_hf}  best K {num(r.get('best_k'))}"
             f"{interval}")
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What `specdistill eval` prints of one checkpoint's result: a line per temperature (and its tree) and one per
+    comparator; a spread eval (eval/spread.py) prints the same lines from the file each process wrote."""
+    lines = []
+    for r in report["results"]:
+        lines.append(summary_line(report, r))
+        if "tree" in r:
+            t = r["tree"]
+            lossless = "lossless yes" if tree_lossless(t) else "NOT lossless"
+            lines.append(f"{report['checkpoint']} T=0 {tree_label(t['shape'], t)}: tau {t['tau']:.2f}  speedup "
+                         f"{t['speedup']:.2f}x  {t['nodes_per_step']:.1f} nodes/step  verify {t['ms_per_verify']:.1f} ms  "
+                         f"{lossless}  over the fastest plain decoding: {vs_fastest_cell(report, r, t, unit='x')}")
+    for name, c in report["comparators"].items():
+        flag = ", NOT lossless" if c.get("lossless") is False or c.get("lossless_vs_transformers") is False else ""
+        lines.append(f"{report['checkpoint']} comparator {name}: {c['tokens_per_s']:.1f} tok/s, "
+                     f"speedup {c['speedup']:.2f}x vs our baseline{flag}")
+    return lines

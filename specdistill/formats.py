@@ -62,9 +62,11 @@ def _read_parsed(path: Path, parse, invalid, what: str):
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:
-    """Append records as JSON lines (one write: a kill cuts at most the last line)."""
-    with open(path, "a") as fh:
-        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    """Append records as JSON lines (one write: a kill cuts at most the last line; a line an earlier kill cut
+    is ended first, so the first new record does not join it and get read as one broken line)."""
+    with open(path, "a+b") as fh:
+        cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
+        fh.write(("\n" if cut else "").encode() + "".join(json.dumps(r) + "\n" for r in records).encode())
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

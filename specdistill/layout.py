@@ -66,11 +66,15 @@ def best_link(run_dir: Path) -> Path:
 
 def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
     """The one checkpoint selector (eval, export): 'all', 'last', 'best' (the `best` link training keeps), n (n checkpoints evenly spread, the last
-    included: enough points for the data-scaling curve without decoding with every one), or one
-    checkpoint named step-N / step-000000N / N."""
+    included: enough points for the data-scaling curve without decoding with every one), one
+    checkpoint named step-N / step-000000N / N, or several such names joined by commas (oldest first, each once:
+    the share of one eval process, eval/spread.py)."""
     found = checkpoints(run_dir)
     if not found:
         raise SpecdistillError(f"{run_dir}: no complete checkpoint (step-*/COMPLETE); run `specdistill train` first")
+    if isinstance(which, str) and "," in which:
+        named = {p for name in which.split(",") if name.strip() for p in select_checkpoints(run_dir, name.strip())}
+        return sorted(named, key=step_of)
     if which in (None, "all"):
         return found
     if which == "last":
@@ -89,7 +93,8 @@ def select_checkpoints(run_dir: Path, which: str | int | None) -> list[Path]:
         return [found[i] for i in picks]
     step = parse_step(which)
     if step is None:
-        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N, 'all', 'last' or 'best'")
+        raise SpecdistillError(f"--checkpoint {which!r}: expected step-N (or several, comma-separated), 'all', 'last' "
+                               "or 'best'")
     for p in found:
         if step_of(p) == step:
             return [p]

@@ -6,7 +6,7 @@ import json
 
 from specdistill import layout
 
-STAGE_ORDER = ("plan", "prepare", "cache", "train", "eval", "export", "served", "report")  # what `make distill` runs
+STAGE_ORDER = ("plan", "prepare", "cache", "train", "eval", "workloads", "export", "served", "report")  # what `make distill` runs
 
 
 def applied_plan(recipe) -> dict | None:

@@ -2,7 +2,8 @@
 
 The same work runs up to 2.3x slower on one CPU than on another, and bf16 runs emulated (~8x slower) where the CPU
 has no native bf16, so a recipe sized on one machine overruns on the next. The plan measures instead of guessing:
-it runs prepare, cache, train, eval (twice, at two decode lengths), export and report at a few rows in a scratch
+it runs prepare, cache, train, eval (twice, at two decode lengths), workloads (one prompt each), export and report at
+a few rows in a scratch
 run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows and train.max_steps down together
 (never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits.
 On a CPU without native bf16 it also moves the run to fp32. It writes <run_dir>/plan.json; every later stage of
@@ -30,6 +31,7 @@ from specdistill.stages import STAGES
 
 PROBE_ROWS = 96
 PROBE_STEPS = 6
+PROBE_WORKLOAD_PROMPTS = 1  # the workloads stage's probe: one prompt of each workload
 PROBE_TOKENS = (8, 24)  # two decode lengths: their difference is the eval's cost per token, the rest is fixed
 VLLM_START_S = 105.0  # one vLLM engine's start-up, median of 4 in experiments/served-parity (AVX2 EPYC, 2 cores)
 VLLM_OVER_OURS = 2.0  # vLLM's plain tokens/s over our static-fp32 plain decoding there (26.6 vs 14.0, rounded)
@@ -102,9 +104,20 @@ def probe(recipe, overrides: list[str]) -> dict:
     m["plain_tokens_per_s"] = min(r["baseline_tokens_per_s"] for r in result["results"])
     last = [*small, f"eval.max_new_tokens={PROBE_TOKENS[-1]}"]  # export and report read the eval the recipe names
     m["export_s"], _ = timed("export", recipe.source, last, checkpoint=None, format=None)
+    m["workloads_s"], _ = timed("workloads", recipe.source, [*last, f"eval.workload_prompts={PROBE_WORKLOAD_PROMPTS}"])
     m["report_s"], _ = timed("report", recipe.source, last, runs=None)
     shutil.rmtree(probe_run, ignore_errors=True)
     return m
+
+
+def workloads_s(recipe, m: dict) -> float:
+    """The workloads stage: the probe's run (PROBE_WORKLOAD_PROMPTS prompts a workload, PROBE_TOKENS[-1] new tokens)
+    scaled by prompts and new tokens past a fixed part (the eval's: loading the target and the draft)."""
+    if recipe.eval.workload_prompts == 0:
+        return 0.0
+    fixed = min(m["eval_fixed_s"], m["workloads_s"])
+    scale = recipe.eval.workload_prompts / PROBE_WORKLOAD_PROMPTS * recipe.eval.max_new_tokens / PROBE_TOKENS[-1]
+    return fixed + (m["workloads_s"] - fixed) * scale
 
 
 def rows_to_cache(recipe, corpus_rows: int | None) -> int:
@@ -131,7 +144,7 @@ def estimate(recipe, m: dict, scale: float) -> dict:
            "cache": m["cache_fixed_s"] + rows * tokens_per_row / m["cache_tokens_per_s"],
            "train": m["train_fixed_s"] + steps * m["train_step_s"] + saves * heldout_s,
            "eval": m["eval_fixed_s"] + checkpoints * decode,
-           "export": m["export_s"], "served": 0.0, "report": m["report_s"]}
+           "workloads": workloads_s(recipe, m), "export": m["export_s"], "served": 0.0, "report": m["report_s"]}
     if recipe.served.enabled:
         engines = 1 + len(recipe.export.formats or [None]) + len(recipe.served.methods)
         served_tokens = len(recipe.temperatures) * recipe.eval.num_prompts * recipe.eval.max_new_tokens

@@ -71,7 +71,10 @@ class CacheConfig(Section):
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_new_tokens: int = Field(256, ge=1)
-    regenerate_batch_size: int = Field(32, ge=1)
+    regenerate_batch_size: int = Field(32, ge=1, description="prompts per batch of transformers' generate")
+    regenerate_engine: Literal["transformers", "vllm"] = Field("transformers", description="transformers' generate "
+                                                               "here, or vLLM's in .venv-vllm (data/vllm_generate.py)")
+    regenerate_vllm_args: dict = Field(default_factory=dict, description="more arguments of vLLM's LLM(...)")
     regenerate_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the corpus rows the target "
                                        "answers itself; the others keep the corpus's answers (a mix)")
     regenerate_thinking: bool | None = Field(None, description="thinking mode of the target while it regenerates "
@@ -178,6 +181,8 @@ class EvalConfig(Section):
     checkpoints: Literal["all", "last", "best"] | int = Field("all", description="which checkpoints to decode "
                                                              "with: all, last, best, or n spread evenly (last included)")
     comparators: bool = True
+    workload_prompts: int = Field(4, ge=0, description="prompts of each workload the workloads stage decodes "
+                                  "(eval/by_workload.py: chat, summarise, passage_qa, code, math); 0: skip it")
     seed: int = 0
     tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "
                                     "or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")
@@ -191,6 +196,11 @@ class EvalConfig(Section):
         "lossless against transformers' greedy generate() and runs plain_static-fp32: auto = loaded unless the "
         "GPU's free memory is short, true = always, false = never (lossless against our own plain decoding is "
         "still checked; a float32 target is its own reference, no copy)")
+    processes: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="eval processes, the checkpoints split between them (eval/spread.py): auto = one per "
+        "visible GPU when `device` is CUDA without an index, else 1; N on CUDA: N GPUs, one process each (at most "
+        "the visible GPUs), on the CPU: N processes sharing the cores. Each process holds its own target (and "
+        "float32 reference) on its GPU. Not an eval setting of the results: it changes no measurement")
 
 
 class ExportConfig(Section):

@@ -14,7 +14,9 @@ STAGES = {
     "cache": ("specdistill.data.cache", "run the target once over the corpus and cache what training needs", []),
     "train": ("specdistill.train.launch", "train the draft under DeepSpeed (one or many processes)", []),
     "eval": ("specdistill.eval.evaluate", "decode the prompts speculatively with every checkpoint; measure alpha, tau, speedup",
-             [("--checkpoint", dict(default=None, help="step-N, 'all' or 'last' (default: the recipe's eval.checkpoints)"))]),
+             [("--checkpoint", dict(default=None, help="step-N (several: comma-separated), 'all' or 'last' (default: the recipe's eval.checkpoints)"))]),
+    "workloads": ("specdistill.eval.by_workload", "decode each workload (chat, summarise, passage_qa, code, math) with "
+                  "the head, prompt lookup and their hybrid; tau and speedup per workload", []),
     "report": ("specdistill.eval.report", "write report.md with plots: offline KL vs measured acceptance",
                [("--runs", dict(nargs="+", default=None, help="compare several run names"))]),
     "export": ("specdistill.train.export", "export a checkpoint in a format vLLM loads",

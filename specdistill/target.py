@@ -264,11 +264,26 @@ def parts_of(target_model, where: str | None = None) -> TargetParts:
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
     """Every id that ends a reply: the tokenizer's eos and the model's config/generation-config eos."""
+    return eos_ids_of(model.config, getattr(model, "generation_config", None), tokenizer)
+
+
+def target_eos_token_ids(cfg: TargetConfig, tokenizer) -> set[int]:
+    """eos_token_ids without loading the weights: from the target's config files."""
+    from transformers import AutoConfig, GenerationConfig
+
+    where = resolve_target(cfg)
+    try:
+        generation = GenerationConfig.from_pretrained(where)
+    except OSError:  # no generation_config.json
+        generation = None
+    return eos_ids_of(AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code), generation, tokenizer)
+
+
+def eos_ids_of(config, generation_config, tokenizer) -> set[int]:
     ids: set[int] = set()
-    sources = [getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)]
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        sources.append(gen.eos_token_id)
+    sources = [getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)]
+    if generation_config is not None:
+        sources.append(generation_config.eos_token_id)
     for s in sources:
         if isinstance(s, int):
             ids.add(s)

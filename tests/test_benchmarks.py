@@ -18,7 +18,7 @@ def test_bench_runs_at_toy_size(name, tmp_path, monkeypatch):
     if name == "hybrid":  # chat + the four categories, one prompt each, and their mix; every decode lossless
         import json
 
-        from benchmarks.hybrid_bench import DRAFTERS, rows
+        from specdistill.eval.workload_tables import DRAFTERS, rows
         from specdistill.eval.workloads import WORKLOADS
 
         report = json.loads((tmp_path / "checkpoints" / "bench" / "hybrid.json").read_text())

@@ -19,7 +19,7 @@ from specdistill.data.prepare import prepare_corpus, write_prepared
 from specdistill.data.prepare import load_prepared
 from specdistill.data.regenerate import regenerated_corpus
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_manifest
+from specdistill.formats import read_jsonl, read_manifest
 from specdistill.recipe import REPO_ROOT, Recipe, TargetConfig
 
 DATA = Path("/work/shared/data")
@@ -280,6 +280,8 @@ def test_regeneration_resumes_from_its_partial_replies_and_mixes(tmp_path, tiny)
     out = regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
     rows = load_from_disk(str(out))["train"]
     assert sum(r["input_ids"][-2:] == [7, 8] for r in rows) == 1  # prompt 0's reply was taken from the partial file
+    # every reply is in the partial file for the next resume: none joined the line the kill cut
+    assert sorted(rec["i"] for rec in read_jsonl(partial / "train.jsonl")) == list(range(len(rows)))
     mix = make_recipe(target, corpus_cfg, {"regenerate": True, "regenerate_max_new_tokens": 4,
                                            "regenerate_batch_size": 2, "regenerate_fraction": 0.5})
     original = load_from_disk(str(corpus))["train"]

@@ -10,6 +10,8 @@ import pytest
 
 from specdistill import layout
 from specdistill.eval.results import recipe_runtime
+from specdistill.eval.workload_tables import DRAFTERS
+from specdistill.eval.workloads import WORKLOADS
 from specdistill.formats import read_manifest
 from specdistill.recipe import load_recipe
 from tests.test_evaluate import check_consistent
@@ -20,11 +22,11 @@ DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=4", "train.save_every=2",
        "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=12",
        "eval.temperature=[0, 1]", "eval.tuning_prompts=1", "eval.comparators=false", "eval.checkpoints=last",
-       "train.num_gpus=1", "run_name=e2e"]  # one checkpoint decoded: choosing several is tests/test_evaluate.py's;
+       "train.num_gpus=1", "eval.workload_prompts=1", "run_name=e2e"]  # one checkpoint decoded: choosing several is tests/test_evaluate.py's;
 # one training process: the default's 2 ranks are tests/test_train.py's (test_two_processes_match_one)
 
 
-STAGES = ["prepare", "cache", "train", "eval", "report", "export"]
+STAGES = ["prepare", "cache", "train", "eval", "workloads", "report", "export"]
 
 
 def run_stages(cmd, env, what):
@@ -48,5 +50,10 @@ def test_make_distill_pipeline_on_default_target(tmp_path):
     assert by_t[0.0]["lossless"] is True and result["exactness_check"]["exact"] is True
     for r in by_t.values():  # tau = tokens / steps <= K + 1 (3 at the default K = 2), speedup = the throughput ratio
         check_consistent(r, result["k"])
-    assert (run / "report.md").exists()
+    # the workloads stage: every workload and the mix, each drafter lossless, in the report
+    by_workload = json.loads((run / "eval" / f"workloads-step-0000004.{result['runtime']}.json").read_text())
+    assert list(by_workload["workloads"]) == ["chat", *WORKLOADS] and by_workload["mix"]["prompts"] == 5
+    for w in [*by_workload["workloads"].values(), by_workload["mix"]]:
+        assert all(w[d]["lossless"] and w[d]["tau"] >= 1.0 for d in DRAFTERS)
+    assert "## By workload" in (run / "report.md").read_text()
     assert (run / "export" / "vllm-eagle3" / "model.safetensors").exists()

@@ -16,11 +16,13 @@ from tests.test_other_targets import TOY, write_recipe
 
 DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 # Rates as a probe measures them: 100 tokens a row, 100 tokens/s cached, 2 s a step of 2,000 tokens, 0.5 s a token
-# decoded over 3 probe prompts; its one save scored 8 held-out rows in 2 s and drafted the chain at 400 positions in 4 s.
+# decoded over 3 probe prompts; its one save scored 8 held-out rows in 2 s and drafted the chain at 400 positions in 4 s;
+# the workloads stage took 40 s at 1 prompt a workload and 24 new tokens.
 RATES = {"heldout_rows": 8, "heldout_chain_positions": 400, "heldout_offline_s": 2.0, "heldout_chain_s": 4.0,
          "prepare_s": 10.0, "cache_fixed_s": 20.0, "corpus_rows": None, "cache_tokens": 9600, "cache_rows": 96, "cache_tokens_per_s": 100.0,
          "train_fixed_s": 60.0, "train_step_s": 2.0, "train_tokens_per_step": 2000.0, "eval_fixed_s": 30.0,
-         "eval_per_token_s": 0.5, "eval_prompts": 3, "plain_tokens_per_s": 10.0, "export_s": 5.0, "report_s": 5.0}
+         "eval_per_token_s": 0.5, "eval_prompts": 3, "plain_tokens_per_s": 10.0, "export_s": 5.0, "report_s": 5.0,
+         "workloads_s": 40.0}
 
 
 def default_recipe(tmp_path, *overrides):
@@ -33,7 +35,10 @@ def test_the_estimate_adds_each_stage_fixed_cost_and_rate(tmp_path):
     save = 2.0 / 8 * 32 + 4.0 / 400 * 1024
     assert est == {"prepare": 10.0, "cache": 20.0 + 8000 * 100 / 100,
                    "train": 60.0 + 672 * 2.0 + 6 * save,
-                   "eval": 30.0 + 0.5 * 64 * 24 / 3, "export": 5.0, "served": 0.0, "report": 5.0}
+                   "eval": 30.0 + 0.5 * 64 * 24 / 3, "export": 5.0, "served": 0.0, "report": 5.0,
+                   # the eval's fixed 30 s, the rest scaled to 4 prompts a workload of 64 tokens
+                   "workloads": pytest.approx(30.0 + (40.0 - 30.0) * 4 * 64 / 24)}
+    assert estimate(default_recipe(tmp_path, "eval.workload_prompts=0"), RATES, 1.0)["workloads"] == 0.0
     assert estimate(default_recipe(tmp_path), RATES, 0.0)["train"] == 60.0 + 6 * save  # the saves' cost is fixed
     unscored = {**RATES, "heldout_rows": 0, "heldout_chain_positions": 0}  # a recipe without a held-out split
     assert estimate(default_recipe(tmp_path), unscored, 1.0)["train"] == 60.0 + 672 * 2.0
@@ -45,12 +50,13 @@ def test_the_fit_fills_the_budget_and_never_grows_the_recipe(tmp_path):
     recipe = default_recipe(tmp_path)
     scale = fit(recipe, RATES, 3600.0, spent_s=120.0)
     assert sum(estimate(recipe, RATES, scale).values()) + 120.0 == pytest.approx(3600.0)
-    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2555, "train.max_steps": 215, "train.save_every": 36,
-                                    "train.warmup_steps": 21}
-    # fixed: every stage at 0 rows, the eval and the 6 saves' held-out scoring included
-    assert scale == pytest.approx((3600 - 120 - 386 - 6 * (2.0 / 8 * 32 + 4.0 / 400 * 1024)) / 9344)
+    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2438, "train.max_steps": 205, "train.save_every": 35,
+                                    "train.warmup_steps": 20}
+    # fixed: every stage at 0 rows, the eval, the workloads stage and the 6 saves' held-out scoring included
+    workloads = 30.0 + 10.0 * 4 * 64 / 24
+    assert scale == pytest.approx((3600 - 120 - 386 - workloads - 6 * (2.0 / 8 * 32 + 4.0 / 400 * 1024)) / 9344)
     assert fit(recipe, RATES, 10 ** 6, spent_s=0.0) == 1.0
-    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 8 min"):
+    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 11 min"):
         fit(recipe, RATES, 400.0, spent_s=0.0)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill import integrity, kinds, layout
+from specdistill import integrity, kinds, layout, vllm_env
 from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.eval import served
@@ -26,9 +26,9 @@ SERVED_TOY = [*TOY, "eval.max_new_tokens=12", "served.methods=[]", "served.engin
 
 
 def vllm_python() -> Path:
-    python = Path(os.environ.get("SPECDISTILL_VLLM_PYTHON") or served.VLLM_VENV / "bin" / "python")
+    python = Path(os.environ.get("SPECDISTILL_VLLM_PYTHON") or vllm_env.VLLM_VENV / "bin" / "python")
     if not python.exists():
-        pytest.fail(f"no vLLM at {python}: {served.INSTALL_HINT} (make test's setup does it)")
+        pytest.fail(f"no vLLM at {python}: {vllm_env.INSTALL_HINT} (make test's setup does it)")
     return python
 
 
@@ -197,7 +197,7 @@ def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("target: {path: t}\ncorpus: {path: c.jsonl}\ndraft: {kind: eagle3}\ntrain: {max_steps: 1, save_every: 1}\n")
     with pytest.raises(SpecdistillError, match="make setup-vllm"):
-        served.vllm_python(load_recipe(recipe_file))
+        served.vllm_python(load_recipe(recipe_file).served.python, "served")
     (tmp_path / "README.md").write_text("# no command here\n")
     with pytest.raises(SpecdistillError, match="README.md: no `vllm serve` line"):
         served.readme_serve_command(tmp_path)
