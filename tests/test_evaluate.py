@@ -120,7 +120,7 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
     assert greedy["lossless_vs_transformers"] is True and "lossless_vs_transformers" not in sampled
     assert report["checkpoint_fingerprint"] == checkpoint_fingerprint(layout.step_dir(recipe.run_dir, 2))
-    assert report["eval_settings"] == recipe.eval.model_dump(mode="json", exclude={"processes"})  # no measurement
+    assert report["eval_settings"] == recipe.eval.model_dump(mode="json", exclude={"processes", "workload_prompts"})
     assert report["evaluated_at"].endswith("Z")
     assert report["offline"]["prompts_sampled"]["temperature"] == 1.0
     assert "sampled" in report["offline"]["prompts_sampled"]["continuations"]
