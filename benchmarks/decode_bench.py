@@ -28,8 +28,9 @@ def draft_for(recipe, target):
     print(f"no checkpoint under {recipe.run_dir}: benchmarking an UNTRAINED {recipe.draft.kind} draft "
           "(acceptance will be near zero; this measures the engine's overhead)", flush=True)
     torch.manual_seed(0)
-    draft = kinds.kind(recipe.draft.kind).build(recipe, parts_of(target, resolve_target(recipe.target)))
-    return draft.to(target.device).eval().requires_grad_(False), "untrained", None
+    kind = kinds.kind(recipe.draft.kind)
+    draft = kind.build(recipe, parts_of(target, resolve_target(recipe.target)))
+    return kinds.LoadedDraft(draft.to(target.device).eval().requires_grad_(False), kind), "untrained", None
 
 
 # toy: the chain at T=0 and T=1 on one prompt; the tuning prompts, the tree and the comparators run the same
@@ -49,10 +50,9 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     draft, name, step = draft_for(recipe, target)
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, name, step,
-                                          recipe.draft.kind, None)
+    report = evaluate.evaluate_checkpoint(evaluate.EvalRun(recipe, target, tokenizer, prompts), draft, name, step, None)
     hw = report["hardware"]
-    print(f"target {recipe.target.path}, draft {recipe.draft.kind} ({name}), prompts {recipe.eval.prompts} "
+    print(f"target {recipe.target.path}, draft {draft.kind.NAME} ({name}), prompts {recipe.eval.prompts} "
           f"(n={len(prompts)}), max_new_tokens {recipe.eval.max_new_tokens}, K={recipe.eval.k}, "
           f"{hw['device']} ({hw.get('gpu') or hw['cpu']}), {hw['threads']} threads")
     for r in report["results"]:

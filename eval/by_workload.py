@@ -122,7 +122,8 @@ def run(recipe, args=None) -> Path | None:
     sets = prompt_sets(recipe, tokenizer, n)
     target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
     runtime = make_runtime(target, name)
-    draft = kinds.load_draft(step_dir, target).to(device=runtime.device, dtype=runtime.dtype)
+    draft = kinds.load_draft(step_dir, target)
+    draft.module.to(device=runtime.device, dtype=runtime.dtype)
     report = {"checkpoint": step_dir.name, "run_dir": str(recipe.run_dir), "num_prompts": n,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
     out = layout.eval_dir(recipe.run_dir) / f"workloads-{step_dir.name}.{runtime.name}.json"

@@ -147,14 +147,15 @@ class NoDraft:
 
 
 def make_drafter(draft, target=None, static: bool = False) -> Drafter:
-    """What the decode loop calls to draft: a draft (a module: EAGLE head, Medusa heads, causal LM) wrapped by
-    its kind, checked against the target's vocabulary; None -> NoDraft; a drafter (any other object, a
-    specdistill/contracts.py Drafter) as it is.
+    """What the decode loop calls to draft: a draft (kinds.LoadedDraft, or a bare module: EAGLE head, Medusa
+    heads, causal LM) wrapped by its kind, checked against the target's vocabulary; None -> NoDraft; a drafter
+    (any other object, a specdistill/contracts.py Drafter) as it is.
     static: the target runs in the static runtime (an EAGLE-3 head then drafts over a slot cache too)."""
     if draft is None:
         return NoDraft()
-    if isinstance(draft, torch.nn.Module):
-        return kinds.kind_of(draft).drafter(draft, target, static)
+    if isinstance(draft, (kinds.LoadedDraft, torch.nn.Module)):
+        draft = kinds.loaded(draft)
+        return draft.kind.drafter(draft.module, target, static)
     return draft
 
 
@@ -266,13 +267,14 @@ def decode_loop(target: Target, stepper, prompt_ids, max_new_tokens: int, depth:
 
 class SpeculativeDecoder:
     """Chain speculative decoding. target: a runtime (eval/runtime.py) or a transformers model (run eagerly
-    in its own dtype); draft: None (plain decoding), a module (its kind makes the drafter) or a drafter.
-    The draft runs on the target runtime's device, in its dtype."""
+    in its own dtype); draft: None (plain decoding), a draft (kinds.LoadedDraft or a bare module: its kind makes
+    the drafter) or a drafter. The draft runs on the target runtime's device, in its dtype."""
 
     def __init__(self, target, draft=None, k: int = 4, eos_ids=()):
         runtime = as_runtime(target)
-        if isinstance(draft, torch.nn.Module):  # a draft, not a drafter: it runs where the target runs
-            draft.to(device=runtime.device, dtype=runtime.dtype)
+        if isinstance(draft, (kinds.LoadedDraft, torch.nn.Module)):  # a draft, not a drafter: runs where the target runs
+            draft = kinds.loaded(draft)
+            draft.module.to(device=runtime.device, dtype=runtime.dtype)
         self.drafter = make_drafter(draft, runtime.model, static=isinstance(runtime, StaticRuntime))
         self.target = Target(runtime, self.drafter.features if self.drafter.needs_features else None)
         self.k = k if not isinstance(self.drafter, NoDraft) else 0

@@ -4,12 +4,17 @@ Per checkpoint and temperature, every prompt is decoded by plain AR (our baselin
 speculatively at K = eval.k and each extra K of eval.k_sweep, then (T=0 only) by the transformers
 comparators: interleaved per prompt so machine noise hits all of them alike. Writes
 checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_result: an eval on other prompts or
-in another runtime writes its own file; format in the module's `evaluate_checkpoint`).
+in another runtime writes its own file; format in the module's `assemble_report`).
+
+`evaluate_checkpoint` measures one checkpoint's draft (a kinds.LoadedDraft) with what the run shares (`EvalRun`):
+its decoders built (`build_decoders`, `add_fp32_plain`), the reference resolved (`resolved`), each temperature
+decoded and summarised (`at_temperature`; the comparisons in eval/comparison.py), the offline predictions
+(`offline_numbers`), the report assembled (`assemble_report`).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +23,8 @@ from tqdm import tqdm
 from specdistill import device as devices
 from specdistill import integrity, kinds, layout, provenance
 from specdistill.eval import chain_tau, comparators, exactness, spread
+from specdistill.eval.comparison import (SPECULATIVE_COMPARATORS, comparator_report, comparators_note, fastest_plain,
+                                         vs_fastest)
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, merge_counts
 from specdistill.eval.offline import VOCAB_COVERAGE_EVAL_NOTE, offline_on_prompts, vocab_coverage_eval
 from specdistill.eval.prompts import load_prompts, load_tuning_prompts
@@ -25,12 +32,11 @@ from specdistill.eval.reference import (divergences, fp32_reference_model, fp32_
                                         judge_against_reference, transformers_greedy)
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
-from specdistill.eval.summary import (baseline_timed, best_k, measure_costs, ratio_ci95, spec_timed, speedup_over,
-                                      summarise_temperature, summarise_tree, timed_per_prompt)
-from specdistill.eval.tables import FP32_PLAIN, PLAIN_COMPARATORS, summary_lines
+from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
+from specdistill.eval.tables import FP32_PLAIN, summary_lines
 from specdistill.eval.tree import TreeDecoder
 from specdistill.errors import SpecdistillError
-from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, read_draft_config, write_eval
+from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, write_eval
 from specdistill.plan import applied_plan
 from specdistill.target import DTYPES, load_target, load_target_config, load_tokenizer, one_device_shortfall
 
@@ -62,9 +68,6 @@ class Decoders:
     # our plain decoding in static-fp32 beside a bf16 runtime's (T=0, with the comparators): a 1-token fp32
     # forward can be the faster one (docs/DESIGN.md, "comparators")
     fp32_plain: SpeculativeDecoder | None = None
-
-
-SPECULATIVE_COMPARATORS = ("hf_prompt_lookup", "hf_assisted")  # judged lossless against hf_generate's own tokens
 
 
 def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
@@ -111,31 +114,6 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     return base_runs, spec_runs, comp, tree_runs
 
 
-def fastest_plain(result: dict, comp_report: dict) -> list[dict]:
-    """The fastest plain decoding timed for this checkpoint at this temperature (ours, and the plain comparators
-    where they ran) and the speedup over it, with its 95% interval over prompts (the same resamples as the
-    speedup's); the tree's too. `plain_timed` names every plain decoder timed: ours alone means no comparison
-    was made, and the report says "not timed". Returns the fastest's per-prompt [{tokens, seconds}]."""
-    plain = {"ours": (result["baseline_tokens_per_s"], baseline_timed(result["per_prompt"]))}
-    plain.update({name: (c["tokens_per_s"], c["per_prompt"]) for name, c in comp_report.items() if name in PLAIN_COMPARATORS})
-    fastest = max(plain, key=lambda name: plain[name][0])
-    result["plain_timed"] = list(plain)
-    result["fastest_plain"] = fastest
-    tps, per = plain[fastest]
-    result["fastest_plain_tokens_per_s"] = tps
-    vs_fastest(result, spec_timed(result["per_prompt"]), tps, per)
-    if "tree" in result:
-        vs_fastest(result["tree"], spec_timed(result["tree"]["per_prompt"]), tps, per)
-    return per
-
-
-def vs_fastest(entry: dict, timed: list[dict], fastest_tps: float, fastest_timed: list[dict]) -> None:
-    """entry's speedup over the fastest plain decoding and its 95% interval (timed, fastest_timed: the two
-    decoders' per-prompt [{tokens, seconds}] on the same prompts)."""
-    entry["speedup_vs_fastest_plain"] = entry["tokens_per_s"] / fastest_tps if fastest_tps else 0.0
-    entry["speedup_vs_fastest_plain_ci95"] = ratio_ci95(timed, fastest_timed)
-
-
 def tune_k(decoders: Decoders, tuning, reported: int, eval_cfg, temperature, label="") -> dict:
     """best_k chosen on the tuning prompts (disjoint from the reported ones): baseline and every K decoded
     there, the K with the highest measured speedup."""
@@ -151,138 +129,185 @@ def tune_k(decoders: Decoders, tuning, reported: int, eval_cfg, temperature, lab
                            "(eval.tuning_prompts)"}
 
 
-def evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, checkpoint: str, step: int | None,
-                        draft_kind: str, heldout: dict | None, with_comparators: bool = True,
-                        reference_tokens: list[list[int]] | None = None, fingerprint: str | None = None,
-                        runtime=None, reference_model=None, reference_skipped: str | None = None) -> dict:
-    """Everything measured for one draft; the dict written to eval/<checkpoint>.<prompt set>.<runtime>.json.
+@dataclass(frozen=True)
+class EvalRun:
+    """What every checkpoint of one eval run is measured with (`run` loads it once): the recipe, the target (a
+    transformers model), its tokenizer, the eval prompts; `runtime`: the target's runtime (eval/runtime.py; None:
+    the recipe's eval.runtime, made per checkpoint); the float32 lossless reference: transformers' greedy
+    generate() output per prompt (`reference_tokens`, computed per checkpoint when not given) by
+    `reference_model` (the float32 target; made when not given), or why that was not loaded
+    (`reference_skipped`: fp32_reference_skipped, checked when no reference model is given)."""
+    recipe: object
+    target: object
+    tokenizer: object
+    prompts: list
+    runtime: object = None
+    reference_tokens: list[list[int]] | None = None
+    reference_model: object = None
+    reference_skipped: str | None = None
 
-    Comparators do not depend on the draft (but for assisted generation), so `run` measures them with
-    the last checkpoint only (`with_comparators`), saving their decode time on every earlier one.
-    `reference_tokens`: transformers' float32 greedy generate() output per prompt, by `reference_model` (the
-    float32 target; computed here when not given); `fingerprint`: checkpoint_fingerprint of the step dir;
-    `runtime`: the target's runtime (eval/runtime.py; default: eval.runtime of the recipe); `reference_skipped`:
-    why the float32 reference was not loaded (fp32_reference_skipped; checked here when no reference is given).
-    """
-    cfg = recipe.eval
-    eos = eos_token_ids(target, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    runtime = runtime or make_runtime(target, cfg.runtime)  # casts the target (and below the draft) to its dtype
-    tree = None
-    if cfg.tree and kinds.kind_of(draft).DRAFTS_TREES:
-        tree = TreeDecoder(runtime, draft, cfg.tree, eos_ids=eos)
-    decoders = Decoders(target, draft, SpeculativeDecoder(runtime, draft, k=cfg.k, eos_ids=eos),
-                        SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
-    baseline = decoders.baseline
-    wanted = comparators.comparator_names(draft) if cfg.comparators and with_comparators else []
-    if 0 in recipe.temperatures and reference_model is None and reference_skipped is None:
-        reference_skipped = fp32_reference_skipped(target, cfg.fp32_reference)
-    if 0 in recipe.temperatures and reference_skipped is None:  # the lossless reference, plain fp32's weights
-        reference_model = reference_model or fp32_reference_model(target)
-    family, dtype = parse_runtime(runtime.name)
-    if wanted and family == "static" and dtype != "float32" and reference_model is not None:
-        decoders.fp32_plain = SpeculativeDecoder(make_runtime(reference_model, "static-fp32"), None, eos_ids=eos)
 
-    ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
+def build_decoders(run: EvalRun, draft: kinds.LoadedDraft, runtime) -> Decoders:
+    """The baseline, the chain at eval.k and (a kind that drafts trees, eval.tree set) the tree, in `runtime` (it
+    casts the target and the draft to its dtype)."""
+    cfg = run.recipe.eval
+    eos = eos_token_ids(run.target, run.tokenizer)
+    pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    tree = TreeDecoder(runtime, draft, cfg.tree, eos_ids=eos) if cfg.tree and draft.kind.DRAFTS_TREES else None
+    return Decoders(run.target, draft.module, SpeculativeDecoder(runtime, draft, k=cfg.k, eos_ids=eos),
+                    SpeculativeDecoder(runtime, None, eos_ids=eos), tree, eos, pad_id)
+
+
+def resolved(run: EvalRun, runtime) -> EvalRun:
+    """`run` with its runtime and (T=0 among the temperatures) its float32 reference model, or why it is skipped."""
+    skipped, model = run.reference_skipped, run.reference_model
+    if 0 in run.recipe.temperatures and model is None and skipped is None:
+        skipped = fp32_reference_skipped(run.target, run.recipe.eval.fp32_reference)
+    if 0 in run.recipe.temperatures and skipped is None:  # the lossless reference, plain fp32's weights
+        model = model or fp32_reference_model(run.target)
+    return replace(run, runtime=runtime, reference_model=model, reference_skipped=skipped)
+
+
+def add_fp32_plain(decoders: Decoders, run: EvalRun, comparator_names: list[str]) -> None:
+    """Beside a reduced-precision static runtime's comparators, our plain decoding in static-fp32 from the float32
+    reference's weights."""
+    family, dtype = parse_runtime(run.runtime.name)
+    if comparator_names and family == "static" and dtype != "float32" and run.reference_model is not None:
+        decoders.fp32_plain = SpeculativeDecoder(make_runtime(run.reference_model, "static-fp32"), None,
+                                                 eos_ids=decoders.eos)
+
+
+def check_exactness(runtime, prompts, ks: list[int]) -> dict | None:
+    """Whether each verify row equals its 1-token forward for every K verified (a warning if not)."""
     exact = exactness.verify_rows_match(runtime, prompts[0].ids, ks) if prompts else None
     if exact is not None and not exact["exact"]:
         print(f"warning: {runtime.name} is not batch-invariant on this machine (a verify row differs from its 1-token "
               f"forward: {exact['checks']}); T=0 decodes may diverge from plain decoding", flush=True)
-    costs = measure_costs(runtime, prompts, cfg, tree)
-    tuning = load_tuning_prompts(cfg, tokenizer)
-    results, comp_report, greedy_outputs, sampled_outputs, reference = [], {}, None, {}, None
-    for temperature in recipe.temperatures:
-        names = wanted if temperature == 0 else []
-        base_runs, spec_runs, comp, tree_runs = evaluate_temperature(decoders, prompts, cfg, temperature, names,
-                                                                     label=checkpoint)
-        result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
-        if tuning:
-            result.update(tune_k(decoders, tuning, len(prompts), cfg, temperature, label=checkpoint))
-        if tree_runs:
-            result["tree"] = summarise_tree(cfg.tree, base_runs, tree_runs)
-        if temperature == 0:  # `lossless` stays strict; beside it, each divergence and how close a tie it was
-            labelled = {f"chain K={k}": runs for k, runs in spec_runs.items()}
-            if tree_runs:
-                labelled["tree"] = tree_runs
-            result["divergences"] = divergences(runtime, prompts, base_runs, labelled)
-        results.append(result)
-        if temperature > 0:
-            sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
-        if temperature == 0:
-            greedy_outputs = [r.tokens for r in base_runs]
-            reference = judge_against_reference(result, reference_model, reference_tokens, reference_skipped, prompts,
-                                                base_runs, spec_runs, tree_runs, cfg.max_new_tokens, eos, pad_id)
-            base_tps = result["baseline_tokens_per_s"]
-            for name, c in comp.items():
-                tps = c["tokens"] / c["seconds"] if c["seconds"] else 0.0
-                comp_report[name] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else 0.0,
-                                     "speedup_ci95": ratio_ci95(timed_per_prompt(c["per_prompt"]),
-                                                                baseline_timed(result["per_prompt"])),
-                                     "per_prompt": timed_per_prompt(c["per_prompt"])}
-                if name in SPECULATIVE_COMPARATORS:  # lossless as ours is: against its own plain decoding, and fp32
-                    plain_hf = comp.get("hf_generate")
-                    comp_report[name]["lossless"] = (c["outputs"] == plain_hf["outputs"]) if plain_hf else None
-                    comp_report[name]["lossless_vs_transformers"] = (
-                        [list(t) for t in c["outputs"]] == [list(t) for t in reference]
-                        if reference_model is not None and reference is not None else None)
-        fastest = fastest_plain(result, comp_report if temperature == 0 else {})  # plain comparators: T=0 only
-        if temperature == 0:
-            for name in SPECULATIVE_COMPARATORS:
-                if name in comp_report:
-                    vs_fastest(comp_report[name], comp_report[name]["per_prompt"], result["fastest_plain_tokens_per_s"],
-                               fastest)
-    comp_note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
-                 f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
-                 f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
-    if decoders.fp32_plain is not None:
-        comp_note += (f"; {FP32_PLAIN}: our own plain decoding in float32, from the float32 weights on disk (a float32 "
-                      "forward of one token can be the faster one)")
-    if not cfg.comparators:
-        comp_note = "skipped (eval.comparators: false)"
-    elif not with_comparators:
-        comp_note = "measured with the last checkpoint evaluated in this run (they do not depend on the draft)"
-    elif not comp_report:
-        comp_note = "skipped: comparators run at T=0 only and eval.temperature has no 0"
-    if greedy_outputs is None:  # the offline metrics need the target's greedy continuations
-        greedy_outputs = [baseline.decode(p.ids, cfg.max_new_tokens).tokens for p in prompts]
-    coverage = vocab_coverage_eval(draft, greedy_outputs, target.config.vocab_size)
-    offline_prompts = offline_on_prompts(target, draft, [p.ids for p in prompts], greedy_outputs)
-    offline = {"heldout": heldout, "prompts": offline_prompts,
-               "chain_on_continuations": chain_tau.on_continuations(decoders.chain, [p.ids for p in prompts],
-                                                                    greedy_outputs, cfg.k, cfg.max_new_tokens)}
-    if sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
-        t = min(sampled_outputs)
-        offline["prompts_sampled"] = offline_on_prompts(
-            target, draft, [p.ids for p in prompts], sampled_outputs[t], temperature=t,
-            continuations_label=f"the target's own outputs sampled at T={t:g} (baseline)")
+    return exact
 
+
+@dataclass
+class Measured:
+    """What decoding the prompts measured, temperature by temperature."""
+    results: list[dict] = field(default_factory=list)
+    comparators: dict = field(default_factory=dict)  # the T=0 comparators' report
+    greedy_outputs: list[list[int]] | None = None  # the baseline's tokens per prompt at T=0
+    sampled_outputs: dict = field(default_factory=dict)  # temperature -> the baseline's tokens per prompt
+
+
+def at_temperature(run: EvalRun, decoders: Decoders, temperature, comparator_names, costs, tuning, measured: Measured,
+                   label: str) -> None:
+    """Every prompt decoded at one temperature: its result (the chain, K tuned, the tree; at T=0 the divergences, the
+    float32 reference's verdict and the comparators), added to `measured`."""
+    cfg, prompts = run.recipe.eval, run.prompts
+    base_runs, spec_runs, comp, tree_runs = evaluate_temperature(
+        decoders, prompts, cfg, temperature, comparator_names if temperature == 0 else [], label=label)
+    result = summarise_temperature(temperature, prompts, base_runs, spec_runs, cfg.k, costs)
+    if tuning:
+        result.update(tune_k(decoders, tuning, len(prompts), cfg, temperature, label=label))
+    if tree_runs:
+        result["tree"] = summarise_tree(cfg.tree, base_runs, tree_runs)
+    measured.results.append(result)
+    if temperature > 0:
+        measured.sampled_outputs.setdefault(temperature, [r.tokens for r in base_runs])
+        fastest_plain(result, {})  # the plain comparators run at T=0 only
+        return
+    # `lossless` stays strict; beside it, each divergence and how close a tie it was
+    labelled = {f"chain K={k}": runs for k, runs in spec_runs.items()} | ({"tree": tree_runs} if tree_runs else {})
+    result["divergences"] = divergences(run.runtime, prompts, base_runs, labelled)
+    measured.greedy_outputs = [r.tokens for r in base_runs]
+    reference = judge_against_reference(result, run.reference_model, run.reference_tokens, run.reference_skipped,
+                                        prompts, base_runs, spec_runs, tree_runs, cfg.max_new_tokens, decoders.eos,
+                                        decoders.pad_id)
+    measured.comparators.update(comparator_report(comp, result, reference if run.reference_model is not None else None))
+    fastest = fastest_plain(result, measured.comparators)
+    for name in SPECULATIVE_COMPARATORS:
+        if name in measured.comparators:
+            vs_fastest(measured.comparators[name], measured.comparators[name]["per_prompt"],
+                       result["fastest_plain_tokens_per_s"], fastest)
+
+
+def offline_numbers(run: EvalRun, draft: kinds.LoadedDraft, decoders: Decoders, heldout: dict | None,
+                    measured: Measured) -> tuple[dict, dict]:
+    """The offline predictions beside the measured ones: held-out (training's), on the prompts' continuations
+    (greedy; sampled at the lowest T > 0 measured), the chain replayed along the greedy ones; and the draft
+    vocabulary's coverage of the greedy tokens."""
+    cfg, ids = run.recipe.eval, [p.ids for p in run.prompts]
+    greedy = measured.greedy_outputs
+    if greedy is None:  # the offline metrics need the target's greedy continuations
+        greedy = [decoders.baseline.decode(p, cfg.max_new_tokens).tokens for p in ids]
+    coverage = vocab_coverage_eval(draft, greedy, run.target.config.vocab_size)
+    offline = {"heldout": heldout, "prompts": offline_on_prompts(run.target, draft, ids, greedy),
+               "chain_on_continuations": chain_tau.on_continuations(decoders.chain, ids, greedy, cfg.k,
+                                                                    cfg.max_new_tokens)}
+    if measured.sampled_outputs:  # T>0 is predicted on continuations sampled at that temperature, not greedy ones
+        t = min(measured.sampled_outputs)
+        offline["prompts_sampled"] = offline_on_prompts(
+            run.target, draft, ids, measured.sampled_outputs[t], temperature=t,
+            continuations_label=f"the target's own outputs sampled at T={t:g} (baseline)")
+    return offline, coverage
+
+
+def assemble_report(run: EvalRun, draft: kinds.LoadedDraft, checkpoint: str, step: int | None,
+                    fingerprint: str | None, checks: dict, measured: Measured, note: str, offline: dict,
+                    coverage: dict) -> dict:
+    """The eval JSON of one checkpoint (checks: the exactness check and the forward costs)."""
+    recipe, runtime = run.recipe, run.runtime
     return {
         "checkpoint": checkpoint,
         "step": step,
-        "draft_kind": draft_kind,
+        "draft_kind": draft.kind.NAME,
         "target": recipe.target.path,
-        "prompts": cfg.prompts,
-        "num_prompts": len(prompts),
-        "max_new_tokens": cfg.max_new_tokens,
-        "k": cfg.k,
-        "hardware": devices.hardware(target.device),
+        "prompts": recipe.eval.prompts,
+        "num_prompts": len(run.prompts),
+        "max_new_tokens": recipe.eval.max_new_tokens,
+        "k": recipe.eval.k,
+        "hardware": devices.hardware(run.target.device),
         "checkpoint_fingerprint": fingerprint,
         "runtime": runtime.name,
-        "exactness_check": exact,
-        "costs": costs,
+        "exactness_check": checks["exactness"],
+        "costs": checks["costs"],
         "eval_settings": eval_settings(recipe),
         "run_key": run_key(recipe, runtime.name),
         "plan": applied_plan(recipe),  # null: the recipe's sizes as written
         "code_version": provenance.git_commit(),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "offline": offline,
-        "results": results,
-        "comparators": comp_report,
-        "comparators_note": comp_note,
+        "results": measured.results,
+        "comparators": measured.comparators,
+        "comparators_note": note,
         "lossless_note": T0_LOSSLESS_NOTE,
         **coverage,
         "vocab_coverage_eval_note": VOCAB_COVERAGE_EVAL_NOTE,
     }
+
+
+def evaluate_checkpoint(run: EvalRun, draft: kinds.LoadedDraft, checkpoint: str, step: int | None,
+                        heldout: dict | None, with_comparators: bool = True, fingerprint: str | None = None) -> dict:
+    """Everything measured for one draft (kinds.LoadedDraft: its kind is the report's draft_kind); the dict
+    written to eval/<checkpoint>.<prompt set>.<runtime>.json.
+
+    Comparators do not depend on the draft (but for assisted generation), so `run` measures them with the last
+    checkpoint only (`with_comparators`), saving their decode time on every earlier one. `heldout`: training's
+    held-out metrics of the checkpoint; `fingerprint`: checkpoint_fingerprint of the step dir.
+    """
+    cfg = run.recipe.eval
+    runtime = run.runtime or make_runtime(run.target, cfg.runtime)  # casts the target (and the draft) to its dtype
+    wanted = comparators.comparator_names(draft.module) if cfg.comparators and with_comparators else []
+    decoders = build_decoders(run, draft, runtime)
+    run = resolved(run, runtime)
+    add_fp32_plain(decoders, run, wanted)
+    tree = decoders.tree
+    ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
+    checks = {"exactness": check_exactness(runtime, run.prompts, ks),
+              "costs": measure_costs(runtime, run.prompts, cfg, tree)}
+    tuning = load_tuning_prompts(cfg, run.tokenizer)
+    measured = Measured()
+    for temperature in run.recipe.temperatures:
+        at_temperature(run, decoders, temperature, wanted, checks["costs"], tuning, measured, checkpoint)
+    note = comparators_note(cfg, runtime, decoders.fp32_plain is not None, with_comparators, measured.comparators)
+    offline, coverage = offline_numbers(run, draft, decoders, heldout, measured)
+    return assemble_report(run, draft, checkpoint, step, fingerprint, checks, measured, note, offline, coverage)
 
 
 def run(recipe, args) -> list[Path]:
@@ -318,16 +343,14 @@ def run(recipe, args) -> list[Path]:
                            load_target(recipe.target.model_copy(update={"dtype": "float32"}), device=target.device))
         reference = transformers_greedy(reference_model, prompts, recipe.eval.max_new_tokens, eos, pad_id)
     written, last = [], getattr(args, "comparators_with", None) or steps[-1].name  # a spread process: the run's last
+    shared = EvalRun(recipe, target, tokenizer, prompts, runtime, reference, reference_model, reference_skipped)
     for step_dir in steps:
         draft = kinds.load_draft(step_dir, target)
-        report = evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, step_dir.name, layout.step_of(step_dir),
-                                     read_draft_config(step_dir)["kind"], heldout_metrics(step_dir),
+        report = evaluate_checkpoint(shared, draft, step_dir.name, layout.step_of(step_dir), heldout_metrics(step_dir),
                                      # assisted generation is the one comparator that reads the draft
-                                     with_comparators=step_dir.name == last or comparators.assistant_of(draft) is not None,
-                                     reference_tokens=reference, reference_model=reference_model,
-                                     reference_skipped=reference_skipped,
-                                     fingerprint=checkpoint_fingerprint(step_dir),
-                                     runtime=runtime)
+                                     with_comparators=step_dir.name == last or
+                                     comparators.assistant_of(draft.module) is not None,
+                                     fingerprint=checkpoint_fingerprint(step_dir))
         report["tokens_seen"] = checkpoint_tokens_seen(step_dir)  # kept here too: keep_last may prune the checkpoint
         out = layout.eval_result(recipe.run_dir, step_dir.name, recipe.eval, name)  # never another prompt set's
         write_eval(out, report)

@@ -9,9 +9,10 @@ from specdistill.objective.offline_metrics import FirstDraftSums
 
 
 def reduced_draft_ids(draft, vocab_size: int) -> torch.Tensor | None:
-    """The target ids of a head's reduced draft vocabulary (EAGLE-3: draft id i -> target id i + d2t[i]);
-    None for drafts over the whole vocabulary."""
-    ids = kinds.kind_of(draft).draft_vocabulary(draft)
+    """The target ids of a draft's (kinds.LoadedDraft, or a bare module) reduced draft vocabulary (EAGLE-3: draft
+    id i -> target id i + d2t[i]); None for drafts over the whole vocabulary."""
+    draft = kinds.loaded(draft)
+    ids = draft.kind.draft_vocabulary(draft.module)
     return ids.detach().cpu().long() if ids is not None and ids.numel() < vocab_size else None
 
 
@@ -44,14 +45,15 @@ def offline_on_prompts(target, draft, prompt_ids: list[list[int]], continuations
     the T>0 one (predicted alpha). EAGLE heads read the target's real features (position t: token t+1 and
     f[t]), one step ahead, exactly as in training.
     """
-    draft_kind = kinds.kind_of(draft)
+    draft = kinds.loaded(draft)
+    draft_kind = draft.kind
     reduced = reduced_draft_ids(draft, target.config.vocab_size)
     sums = FirstDraftSums(("fkl", "tvd", "top1") + (("vocab_coverage",) if reduced is not None else ()))
     for prompt, cont in zip(prompt_ids, continuations):
         if not cont or len(prompt) < 2:
             continue
         seq = torch.tensor([prompt + cont], device=target.device)
-        p_logits, q_logits = draft_kind.prompt_logits(draft, target, seq)  # row j predicts token j+1
+        p_logits, q_logits = draft_kind.prompt_logits(draft.module, target, seq)  # row j predicts token j+1
         rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # predictions of the continuation tokens
         log_p = torch.log_softmax(p_logits[rows].float() / temperature, -1)
         log_q = torch.log_softmax(q_logits[rows].float() / temperature, -1)

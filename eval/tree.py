@@ -150,9 +150,10 @@ class TreeDecoder:
     """Greedy tree speculative decoding of `target` with an EAGLE / EAGLE-3 head."""
 
     def __init__(self, target, head, tree, eos_ids=()):
-        """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype);
-        tree: the recipe's `eval.tree`."""
-        kind = kinds.kind_of(head)
+        """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype); head: a
+        kinds.LoadedDraft (or a bare module); tree: the recipe's `eval.tree`."""
+        draft = kinds.loaded(head)
+        kind, head = draft.kind, draft.module
         if not kind.DRAFTS_TREES:
             trees = [k.NAME for k in kinds.all_kinds() if k.DRAFTS_TREES]
             raise SpecdistillError(f"tree decoding needs a draft of a kind that drafts trees ({', '.join(trees)}), "

@@ -110,6 +110,11 @@ class DraftKind(KindConfig, Protocol):
         """The target ids it can propose where fewer than the target's, else None."""
         ...
 
+    def tiny_draft(self, target_model: Any, k: int = 3) -> torch.nn.Module:
+        """A small, seeded, randomly initialised draft for a (tiny) loaded target that drafts up to k tokens a step:
+        the kind's own case in every per-kind test (tests build no kind by name)."""
+        ...
+
     # objective.py
     Objective: type  # (head, parts, loss, data) -> what DeepSpeed wraps (specdistill/objective/base.py Objective)
 

@@ -10,7 +10,6 @@ from specdistill import kinds
 from specdistill.eval import chain_tau
 from specdistill.eval.engine import SpeculativeDecoder, merge_counts
 from tests.test_engine import eagle3_for, eagle_for, llama
-from tests.test_medusa import medusa_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,21 +21,12 @@ def target_model():
     return llama(VOCAB, seed=3, init=0.1)  # p neither flat nor peaked: greedy acceptance well inside (0, 1)
 
 
-def draft_of(tgt, kind: str):
-    """A fresh draft of `kind` for `tgt`; a registry kind without a builder here fails by name."""
-    builders = {"draft_lm": lambda: llama(VOCAB, seed=4, layers=1, init=0.1), "eagle": lambda: eagle_for(tgt),
-                "eagle3": lambda: eagle3_for(tgt, [0, 1, 3, 4]),  # token 2 outside the draft vocabulary
-                "medusa": lambda: medusa_for(tgt, heads=3, layers=1)}
-    assert kind in builders, f"no tiny draft of kind {kind!r} in {__file__}: add its builder"
-    return builders[kind]()
-
-
 @pytest.mark.parametrize("eos", [(), (0,)], ids=["length", "eos"])
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("kind", kinds.KIND_NAMES)
 def test_simulated_tau_on_continuations_equals_measured_tau(kind, k, eos):
     tgt = target_model()
-    draft = draft_of(tgt, kind)
+    draft = kinds.kind(kind).tiny_draft(tgt, k=3)  # the kind's own (EAGLE-3's lacks token 2)
     baseline = SpeculativeDecoder(tgt, None, eos_ids=eos)
     chain = SpeculativeDecoder(tgt, draft, k=k, eos_ids=eos)
     continuations = [baseline.decode(p, 24).tokens for p in PROMPTS]

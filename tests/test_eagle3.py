@@ -128,7 +128,7 @@ def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_di
     assert metrics["chain_k"] == recipe.eval.k and metrics["chain_positions"] > 0
     assert 1.0 <= metrics["chain_tau"]["0"] <= 1 + recipe.eval.k
     target = load_target(recipe.target)
-    head = load_draft(steps[-1], target)
+    head = load_draft(steps[-1], target).module
     assert isinstance(head, Eagle3Head) and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 128
     from specdistill.data.cache_reader import CacheDataset
     from specdistill.kinds.eagle3.model import aux_feature_std

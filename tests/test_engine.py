@@ -12,7 +12,7 @@ from specdistill.errors import SpecdistillError
 from specdistill.decoding import sampling
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.kinds.eagle.drafter import EagleDrafter
-from specdistill.kinds.eagle.model import EagleHead
+from specdistill.kinds.eagle3 import model as eagle3_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,18 +28,13 @@ def llama(vocab: int, seed: int, layers: int = 2, init: float = 0.2):
 
 
 def eagle_for(target):
-    torch.manual_seed(7)
-    return EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
+    """The EAGLE-1 tests' head: the kind's own tiny draft."""
+    return kinds.kind("eagle").tiny_draft(target)
 
 
 def eagle3_for(target, draft_ids):
-    from specdistill.kinds.eagle3.model import Eagle3Head
-
-    torch.manual_seed(8)
-    layers = target.config.num_hidden_layers
-    head = Eagle3Head(target.config, len(draft_ids), aux_layers=[0, layers // 2, layers])
-    head.set_draft_vocab(torch.tensor(draft_ids))
-    return head.bind_target(target.get_input_embeddings()).eval()
+    """An EAGLE-3 head over the draft vocabulary `draft_ids` (the EAGLE-3 tests that need a given one)."""
+    return eagle3_model.tiny_head(target, draft_ids)
 
 
 class ConstantDraft:
@@ -70,13 +65,9 @@ PROMPTS = [list(range(5, 25)), [7, 300, 11], [42] * 6, [3]]
 
 
 def drafts_for(target):
-    return {
-        "self": target,  # the target drafting for itself: everything accepted
-        "draft_lm": llama(512, seed=1, layers=1),
-        "eagle": eagle_for(target),
-        "eagle3": eagle3_for(target, list(range(0, 512, 2))),  # a reduced draft vocabulary
-        "constant0": ConstantDraft(0, 512),
-    }
+    """The target drafting for itself (everything accepted), every registry kind's tiny draft, a constant one."""
+    return {"self": target, **{k.NAME: k.tiny_draft(target) for k in kinds.all_kinds()},
+            "constant0": ConstantDraft(0, 512)}
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -235,17 +226,9 @@ JOINT_VOCAB, JOINT_TOKENS, JOINT_K = 5, 3, 2
 
 
 def joint_case(draft_name: str):
-    """A target over 5 tokens and a real draft of the given kind (EAGLE-3 drafts over 4 of the 5 ids; Medusa
-    with JOINT_K heads); a registry kind without a builder here fails by name."""
-    from tests.test_medusa import medusa_for  # test_medusa imports this module
-
-    vocab = JOINT_VOCAB
-    tgt = llama(vocab, seed=3, init=0.1)  # p neither flat nor peaked: acceptance ~0.75, context matters
-    builders = {"draft_lm": lambda: llama(vocab, seed=4, layers=1, init=0.1), "eagle": lambda: eagle_for(tgt),
-                "eagle3": lambda: eagle3_for(tgt, [0, 1, 3, 4]),
-                "medusa": lambda: medusa_for(tgt, heads=JOINT_K, std=0.05)}
-    assert draft_name in builders, f"no joint case of kind {draft_name!r} in {__file__}: add its builder"
-    return tgt, builders[draft_name]()
+    """A target over 5 tokens and the kind's own tiny draft for it, drafting up to JOINT_K tokens a step."""
+    tgt = llama(JOINT_VOCAB, seed=3, init=0.1)  # p neither flat nor peaked: acceptance ~0.75, context matters
+    return tgt, kinds.kind(draft_name).tiny_draft(tgt, k=JOINT_K)
 
 
 def joint_pvalue(draft_name: str, runs: int = 1500, make_decoder=None) -> tuple[float, list[int]]:

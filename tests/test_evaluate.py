@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from specdistill import layout, metrics
+from specdistill import kinds, layout, metrics
 from specdistill.errors import SpecdistillError
 from specdistill.eval import evaluate, offline, reference, summary
 from specdistill.eval.engine import eos_token_ids
@@ -55,6 +55,13 @@ def write_eagle_checkpoint(recipe, target, step: int, tokens_seen: int | None = 
             "alpha_at": [0.2, 0.1, 0.05], "simulated_tau": {"0": 1.1051, "1": 1.221}, "labels": {"fkl": "full vocabulary"}},
             **({"tokens_seen": tokens_seen} if tokens_seen is not None else {})})
     return d
+
+
+def evaluated(recipe, target, tokenizer, prompts, draft, kind: str, checkpoint: str) -> dict:
+    """evaluate_checkpoint of a draft module of `kind`, the run's shared part made of the rest (the reference and
+    the runtime made there, as for a run's first checkpoint)."""
+    return evaluate.evaluate_checkpoint(evaluate.EvalRun(recipe, target, tokenizer, prompts),
+                                        kinds.LoadedDraft(draft, kinds.kind(kind)), checkpoint, None, None)
 
 
 def check_consistent(r: dict, k: int) -> None:
@@ -113,7 +120,7 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
     assert greedy["lossless_vs_transformers"] is True and "lossless_vs_transformers" not in sampled
     assert report["checkpoint_fingerprint"] == checkpoint_fingerprint(layout.step_dir(recipe.run_dir, 2))
-    assert report["eval_settings"] == recipe.eval.model_dump(mode="json", exclude={"processes"})  # no measurement
+    assert report["eval_settings"] == recipe.eval.model_dump(mode="json", exclude={"processes", "workload_prompts"})
     assert report["evaluated_at"].endswith("Z")
     assert report["offline"]["prompts_sampled"]["temperature"] == 1.0
     assert "sampled" in report["offline"]["prompts_sampled"]["continuations"]
@@ -179,7 +186,7 @@ def test_best_k_is_chosen_on_tuning_prompts_disjoint_from_the_reported_ones(setu
 
     monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
     draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
-    (r,) = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"]
+    (r,) = evaluated(recipe, target, tokenizer, prompts, draft, "eagle", "a")["results"]
     assert tuning[0].ids in seen  # the tuning prompt was decoded ...
     assert set(r["tuning_speedup_by_k"]) == {"1", "3"} and r["best_k"] == summary.best_k(r["tuning_speedup_by_k"])
     assert "on 1 tuning prompts disjoint from the 2 reported ones" in r["best_k_from"]
@@ -195,8 +202,7 @@ def test_draft_lm_with_assisted_comparator(setup):
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     draft = llama(target.config.vocab_size, seed=9, layers=1)
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None,
-                                          "draft_lm", None)
+    report = evaluated(recipe, target, tokenizer, prompts, draft, "draft_lm", "manual")
     (r,) = report["results"]
     assert r["lossless"] is True
     assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup", "hf_assisted", "plain_static-fp32"}
@@ -279,7 +285,7 @@ def test_eagle3_draft_is_lossless_and_offline_has_no_fkl(setup):
     recipe, target, tokenizer, prompts = greedy_chain_only(setup)
     prompts = prompts[:2]
     draft = eagle3_for(target, list(range(0, target.config.vocab_size, 7)))
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
+    report = evaluated(recipe, target, tokenizer, prompts, draft, "eagle3", "manual")
     assert report["results"][0]["lossless"] is True and report["comparators"] == {}
     assert report["results"][0]["divergences"] == []
     offline = report["offline"]["prompts"]
@@ -333,7 +339,7 @@ def test_tau_alpha_speedup_are_exactly_what_was_decoded(setup, monkeypatch):
         return res
 
     monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, target, prompts, "self", None, "draft_lm", None)
+    report = evaluated(recipe, target, tokenizer, prompts, target, "draft_lm", "self")
     (r,) = report["results"]
     k = recipe.eval.k
     timed = [(kk, res) for kk, n, res in decoded if n == recipe.eval.max_new_tokens]
@@ -361,7 +367,7 @@ def test_warm_up_first_then_order_alternates_per_prompt(setup, monkeypatch):
         return real_decode(self, prompt_ids, max_new_tokens, *args, **kwargs)
 
     monkeypatch.setattr(engine_mod.SpeculativeDecoder, "decode", recording)
-    evaluate.evaluate_checkpoint(recipe, target, tokenizer, target, prompts, "self", None, "draft_lm", None)
+    evaluated(recipe, target, tokenizer, prompts, target, "draft_lm", "self")
     n = recipe.eval.max_new_tokens
     assert calls[:2] == [("base", evaluate.WARMUP_TOKENS), ("spec", evaluate.WARMUP_TOKENS)]  # untimed warm-up
     timed = [c[0] for c in calls[2:2 + 2 * len(prompts)]]
@@ -380,7 +386,7 @@ def test_lossless_vs_transformers_catches_a_shared_bug(setup, monkeypatch):
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)
+    report = evaluated(recipe, target, tokenizer, prompts, draft, "eagle", "a")
     assert report["results"][0]["lossless_vs_transformers"] is True
     real = comparators.run_comparator
 
@@ -391,7 +397,7 @@ def test_lossless_vs_transformers_catches_a_shared_bug(setup, monkeypatch):
         return tokens, seconds
 
     monkeypatch.setattr(comparators, "run_comparator", off_by_one)
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)
+    report = evaluated(recipe, target, tokenizer, prompts, draft, "eagle", "a")
     r = report["results"][0]
     assert r["lossless"] is True and r["lossless_vs_transformers"] is False
     assert r["transformers_mismatched_prompts"] == [1]
@@ -465,7 +471,7 @@ def test_vocab_coverage_on_eval_prompts_is_the_share_of_greedy_tokens_in_the_dra
     want = sum(t in inside for t in tokens) / len(tokens)
     assert 0.0 < want < 1.0
     draft = eagle3_for(target, sorted(inside))
-    report = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "manual", None, "eagle3", None)
+    report = evaluated(recipe, target, tokenizer, prompts, draft, "eagle3", "manual")
     assert report["results"][0]["lossless_vs_transformers"] is True  # so our greedy tokens are `greedy`
     assert report["vocab_coverage_eval"] == pytest.approx(want, abs=1e-12)
     assert report["vocab_coverage_eval_tokens"] == len(tokens) and report["draft_vocab_size"] == len(inside)
@@ -597,7 +603,7 @@ def test_a_skipped_fp32_reference_is_recorded_not_guessed(setup, monkeypatch):
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     draft = EagleHead(target.config).bind_target(target.get_input_embeddings(), target.get_output_embeddings())
-    r = evaluate.evaluate_checkpoint(recipe, target, tokenizer, draft, prompts, "a", None, "eagle", None)["results"][0]
+    r = evaluated(recipe, target, tokenizer, prompts, draft, "eagle", "a")["results"][0]
     assert r["lossless"] is True and r["lossless_vs_transformers"] is None
     assert r["lossless_vs_transformers_skipped"] == "too little memory (test)" and "transformers_divergences" not in r
     assert asked == [False]  # eval.fp32_reference reaches the decision

@@ -56,8 +56,6 @@ def joint_test(kind: str, temperature: float, runs: int = RUNS, tree: bool = Fal
         decoder = TreeDecoder(runtime, draft, {"kind": "static", "depth": JOINT_K, "top_k": 2})
     else:
         decoder = SpeculativeDecoder(runtime, draft, k=JOINT_K)
-        if kind == "eagle3":
-            assert decoder.drafter.static is not None  # the static drafting forward, as in the eval
     assert isinstance(runtime, StaticRuntime) and runtime.dtype == torch.bfloat16
     joint = runtime_joint(runtime, PROMPT, JOINT_VOCAB, temperature, JOINT_TOKENS)
     return sampled_joint_pvalue(decoder, PROMPT, temperature, joint, runs)
@@ -65,6 +63,14 @@ def joint_test(kind: str, temperature: float, runs: int = RUNS, tree: bool = Fal
 
 KINDS = kinds.KIND_NAMES
 TEMPERATURES = [1.0, 0.7]
+DEFAULT = "eagle3"  # the default path (the module docstring): EAGLE-3, the one kind with a static drafting forward
+
+
+def test_the_default_kind_drafts_with_its_static_forward_in_the_static_runtime():
+    """The joint tests below run the default kind through the static drafting forward, as the eval does."""
+    tgt, draft = joint_case(DEFAULT)
+    assert SpeculativeDecoder(make_runtime(tgt, RUNTIME), draft, k=JOINT_K).drafter.static is not None
+    assert SpeculativeDecoder(tgt, draft, k=JOINT_K).drafter.static is None  # eager: the head's own forward
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
@@ -99,9 +105,9 @@ RULES = ["acceptance", "residual", "temperature"]
 # The default path (EAGLE-3, static drafter) with every wrong rule at both temperatures (at T = 1 an ignored
 # temperature is the right one); the other kinds with each wrong rule at T = 0.7; a bonus token drawn from the
 # wrong position (it only shows after two acceptances: more runs) on the default path.
-CASES = [("eagle3", t, wrong) for t in TEMPERATURES for wrong in RULES if not (wrong == "temperature" and t == 1.0)]
-CASES += [(kind, 0.7, wrong) for kind in KINDS if kind != "eagle3" for wrong in RULES]
-CASES += [("eagle3", 1.0, "bonus")]
+CASES = [(DEFAULT, t, wrong) for t in TEMPERATURES for wrong in RULES if not (wrong == "temperature" and t == 1.0)]
+CASES += [(kind, 0.7, wrong) for kind in KINDS if kind != DEFAULT for wrong in RULES]
+CASES += [(DEFAULT, 1.0, "bonus")]
 RUNS_FOR = {"bonus": 2500}
 
 
@@ -115,7 +121,7 @@ def test_the_same_test_rejects_a_wrong_rule(monkeypatch, kind, temperature, wron
 
 def test_tree_decoder_at_t07_follows_the_target():
     """The tree decoder at T = 0.7 (it samples through the exact chain) on the default runtime."""
-    pvalue, accepted = joint_test("eagle3", 0.7, tree=True)
+    pvalue, accepted = joint_test(DEFAULT, 0.7, tree=True)
     assert accepted[1] > 0
     assert pvalue > 1e-3, pvalue
 

@@ -88,7 +88,7 @@ def make_eagle_checkpoint(recipe, target_config, step=1, seed=0, edit=None):
 
 
 def reload_checkpoint_head(step_dir, target):
-    return load_draft(step_dir, target)  # the training side's own reader of a checkpoint
+    return load_draft(step_dir, target).module  # the training side's own reader of a checkpoint
 
 
 @torch.no_grad()
@@ -307,7 +307,7 @@ def test_hf_export_of_a_trained_style_draft_lm(setup):
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(3, V, (1, 10))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, load_draft(step_dir, target)(ids).logits)
+        assert torch.equal(loaded(ids).logits, load_draft(step_dir, target).module(ids).logits)
 
 
 def test_checkpoint_of_another_target_stops(setup):

@@ -11,7 +11,6 @@ from specdistill.decoding.lookup import PromptLookup
 from specdistill.eval.engine import SpeculativeDecoder, make_drafter
 from tests.test_engine import (JOINT_VOCAB, PROMPTS, RecordingEagleDrafter, assert_drafts_from_scratch,
                                drafts_for, eagle_for, joint_pvalue, llama)
-from tests.test_medusa import medusa_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,14 +35,10 @@ def test_lookup_drafts_the_continuation_of_the_most_recent_occurrence():
     assert q.shape == (2, 32) and q.sum(1).tolist() == [1.0, 1.0] and q[0, 2] == 1 and q[1, 3] == 1
 
 
-def heads(target):
-    return {**drafts_for(target), "medusa": medusa_for(target)}
-
-
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_identical_to_baseline(target, k):
     baseline = SpeculativeDecoder(target, None)
-    for name, draft in heads(target).items():
+    for name, draft in drafts_for(target).items():
         hybrid = HybridDrafter(make_drafter(draft, target), PromptLookup(512))
         engine = SpeculativeDecoder(target, hybrid, k=k)
         used = {"lookup": 0, "head": 0}

@@ -23,7 +23,7 @@ from specdistill import kinds, layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.tree import TreeDecoder
-from specdistill.kinds.medusa.model import MedusaConfig, MedusaHeads
+from specdistill.kinds.medusa.model import MedusaConfig, MedusaHeads, tiny_heads
 from specdistill.kinds.medusa.objective import Objective
 from specdistill.target import load_target, parts_of
 from specdistill.train import export
@@ -39,16 +39,7 @@ V = 512
 PROMPTS = [list(range(5, 25)), [7, 300, 11], [3]]
 
 
-def medusa_for(target, heads: int = 3, layers: int = 1, seed: int = 9, std: float = 0.1) -> MedusaHeads:
-    """Heads with random blocks (not the identity init): q differs from p, and from head to head."""
-    torch.manual_seed(seed)
-    cfg = target.config
-    head = MedusaHeads(MedusaConfig(cfg.hidden_size, cfg.vocab_size, heads, layers))
-    head.init_lm_heads(target.get_output_embeddings().weight)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(std * torch.randn_like(p))
-    return head.eval().requires_grad_(False)
+medusa_for = tiny_heads  # (target, heads, layers, std): heads with random blocks, not the identity init
 
 
 def fit(head: MedusaHeads, target, steps: int = 60) -> MedusaHeads:
@@ -280,8 +271,9 @@ def test_export_refuses_a_speculative_k_other_than_the_number_of_heads(medusa_ch
 
 def test_checkpoint_round_trip_and_wrong_tensors(medusa_checkpoint):
     recipe, target, head, step_dir = medusa_checkpoint
-    loaded = kinds.load_draft(step_dir, target)
-    assert kinds.kind_of(loaded) is medusa
+    draft = kinds.load_draft(step_dir, target)
+    loaded = draft.module
+    assert draft.kind is medusa and kinds.kind_of(loaded) is medusa
     f = torch.randn(2, H)
     torch.testing.assert_close(loaded.logits(f), head.logits(f))
     state = medusa.own_state_dict(head)

@@ -17,8 +17,7 @@ from specdistill.eval import comparators, evaluate, offline
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.eval.runtime import forward_costs, make_runtime
 from specdistill.eval.tree import TreeDecoder
-from tests.test_engine import eagle3_for, eagle_for, llama
-from tests.test_medusa import medusa_for
+from tests.test_engine import llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,12 +30,8 @@ TREE_KINDS = [name for name in kinds.KIND_NAMES if kinds.kind(name).DRAFTS_TREES
 
 
 def drafts_for(target, kind: str):
-    """A fresh draft of `kind` for `target` (plain: None); a registry kind without a builder here fails by name."""
-    builders = {"plain": lambda: None, "eagle": lambda: eagle_for(target),
-                "eagle3": lambda: eagle3_for(target, list(range(0, V, 2))), "medusa": lambda: medusa_for(target),
-                "draft_lm": lambda: llama(V, seed=1, layers=1)}
-    assert kind in builders, f"no tiny draft of kind {kind!r} in {__file__}: add its builder"
-    return builders[kind]()
+    """The kind's own tiny draft for `target` (plain: None)."""
+    return None if kind == "plain" else kinds.kind(kind).tiny_draft(target)
 
 
 @pytest.fixture(scope="module")

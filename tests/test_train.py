@@ -115,8 +115,9 @@ def test_eagle_trains_checkpoints_and_reloads(tmp_path, tiny_target_dir, checkpo
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     saved = load_file(str(last / "draft.safetensors"))
     assert set(saved) == set(EagleHead(target.config).own_state_dict())
-    head = load_draft(last, target)
-    assert isinstance(head, EagleHead)
+    loaded = load_draft(last, target)
+    head = loaded.module
+    assert isinstance(head, EagleHead) and loaded.kind is eagle_kind
     assert torch.equal(head.fc.weight, saved["fc.weight"])
     f = torch.randn(1, 5, target.config.hidden_size)
     assert head(torch.arange(5)[None], f, torch.arange(5)[None]).shape == (1, 5, target.config.hidden_size)
@@ -131,7 +132,7 @@ def assert_heldout_metrics_recomputed(recipe, step_dir, held):
     from specdistill.data.cache_reader import CacheDataset
 
     target = AutoModelForCausalLM.from_pretrained(recipe.target.path).eval()
-    head = load_draft(step_dir, target)
+    head = load_draft(step_dir, target).module
     lm_head = target.get_output_embeddings()
     overlap, agree, n = 0.0, 0, 0
     with torch.no_grad():
@@ -170,7 +171,7 @@ def test_draft_lm_trains_on_topk_and_reloads(tmp_path, tiny_target_dir, checkpoi
     held = json.loads((last / "metrics.json").read_text())["heldout"]
     assert "truncated" in held["distribution"] and 0 <= held["predicted_alpha"] <= 1
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
-    draft = load_draft(last, target)
+    draft = load_draft(last, target).module
     assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == target.config.vocab_size
     assert draft(torch.arange(6)[None]).logits.shape[-1] == target.config.vocab_size
 

@@ -1,13 +1,16 @@
 """Tree drafting is lossless: greedy tree decoding is token-identical to plain greedy decoding, for static
-and dynamic trees and EAGLE / EAGLE-3 heads. Untrained heads (almost nothing accepted) and heads fitted
-for a few seconds to the target's own greedy text (long paths accepted, so the KV gather of the accepted
-path is exercised). Tiny random Llamas (fast) and the real SmolLM2 target (slow)."""
+and dynamic trees and every registry kind that drafts trees (DRAFTS_TREES), each with its own tiny untrained
+draft (almost nothing accepted), and EAGLE / EAGLE-3 heads fitted for a few seconds to the target's own greedy
+text (long paths accepted, so the KV gather of the accepted path is exercised); the EAGLE tree drafter's own
+nodes (specdistill/decoding/tree_drafter.py) against plain chain runs of its heads. Tiny random Llamas (fast)
+and the real SmolLM2 target (slow)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from specdistill import kinds
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.tree import TreeDecoder, parse_tree
@@ -24,6 +27,9 @@ TREES = {"static": {"kind": "static", "depth": 3, "top_k": 2},
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+TREE_KINDS = [k.NAME for k in kinds.all_kinds() if k.DRAFTS_TREES]
+CHAIN_ONLY = [k.NAME for k in kinds.all_kinds() if not k.DRAFTS_TREES]
+FITTED = ["eagle-fit", "eagle3-fit"]  # EAGLE heads fitted below: long accepted paths
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +76,18 @@ def fit(head, target, steps: int):
 
 @pytest.fixture(scope="module")
 def heads(target):
+    """Every tree kind's own tiny draft, by kind name, and the fitted EAGLE heads."""
     texts = greedy_texts(target)
     vocab = sorted(set(sum(texts, [])) | set(range(0, V, 4)))  # a draft vocabulary smaller than V
     assert len(vocab) < V
-    return {"eagle": eagle_for(target), "eagle3": eagle3_for(target, vocab),
+    return {**{name: kinds.kind(name).tiny_draft(target) for name in TREE_KINDS},
             "eagle-fit": fit(eagle_for(target), target, 80),
             "eagle3-fit": fit(eagle3_for(target, vocab), target, 60)}
 
 
 # ----------------------------------------------------------------------------- lossless
 
-@pytest.mark.parametrize("head_name", ["eagle", "eagle3", "eagle-fit", "eagle3-fit"])
+@pytest.mark.parametrize("head_name", [*TREE_KINDS, *FITTED])
 @pytest.mark.parametrize("tree_name", list(TREES))
 def test_greedy_tree_identical_to_baseline(target, heads, head_name, tree_name):
     decoder = TreeDecoder(target, heads[head_name], TREES[tree_name])
@@ -91,11 +98,11 @@ def test_greedy_tree_identical_to_baseline(target, heads, head_name, tree_name):
         assert got.tokens == want.tokens, prompt
         assert not got.tree_fallback
         accepted += sum(got.accepted)
-    if head_name.endswith("-fit"):  # the fitted heads must exercise long accepted paths
+    if head_name in FITTED:  # the fitted heads must exercise long accepted paths
         assert accepted >= 20
 
 
-@pytest.mark.parametrize("head_name", ["eagle-fit", "eagle3-fit"])
+@pytest.mark.parametrize("head_name", [*TREE_KINDS, *FITTED])
 def test_chain_shaped_tree_equals_chain_engine(target, heads, head_name):
     """top_k = 1 is a chain: the tree mask machinery must reproduce the chain engine step for step."""
     for prompt in PROMPTS[:2]:
@@ -106,9 +113,10 @@ def test_chain_shaped_tree_equals_chain_engine(target, heads, head_name):
         assert tree.draft_forwards == chain.draft_forwards
 
 
-def test_counters_are_consistent(target, heads):
+@pytest.mark.parametrize("head_name", [*TREE_KINDS, "eagle3-fit"])
+def test_counters_are_consistent(target, heads, head_name):
     for tree_name in TREES:
-        res = TreeDecoder(target, heads["eagle3-fit"], TREES[tree_name]).decode(PROMPTS[0], 24)
+        res = TreeDecoder(target, heads[head_name], TREES[tree_name]).decode(PROMPTS[0], 24)
         assert len(res.tokens) == 24 and res.stop == "length"
         assert res.tau >= 1.0
         assert res.steps + sum(res.accepted) == len(res.tokens)  # each step: accepted path + one own token
@@ -118,11 +126,12 @@ def test_counters_are_consistent(target, heads):
         assert res.verify_s > 0 and res.draft_s > 0 and res.total_s >= res.verify_s + res.draft_s
 
 
-def test_eos_stops_like_the_baseline(target, heads):
+@pytest.mark.parametrize("head_name", [*TREE_KINDS, "eagle-fit"])
+def test_eos_stops_like_the_baseline(target, heads, head_name):
     plain = decode_baseline(target, PROMPTS[0], 24).tokens
     eos = plain[10]
     want = decode_baseline(target, PROMPTS[0], 24, eos_ids={eos})
-    got = TreeDecoder(target, heads["eagle-fit"], TREES["dynamic"], eos_ids={eos}).decode(PROMPTS[0], 24)
+    got = TreeDecoder(target, heads[head_name], TREES["dynamic"], eos_ids={eos}).decode(PROMPTS[0], 24)
     assert got.tokens == want.tokens and got.tokens[-1] == eos and got.stop == "eos"
 
 
@@ -141,7 +150,7 @@ def draft_one_tree(target, head, tree_cfg):
     return decoder, seq, n, feats, tree
 
 
-def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):
+def test_dynamic_tree_is_a_tree_of_the_best_nodes(target, heads):  # EAGLE's tree drafter
     decoder, seq, n, feats, tree = draft_one_tree(target, heads["eagle3"], TREES["dynamic"])
     assert len(tree.tokens) == 10 and tree.forwards == 4
     assert max(tree.depths) <= 4
@@ -171,7 +180,8 @@ def chain_score(head, seq, n, feats, path):
 @pytest.mark.parametrize("head_name", ["eagle", "eagle3"])
 @pytest.mark.parametrize("tree_name", ["static", "dynamic"])
 def test_every_drafted_node_matches_a_plain_chain_run(target, heads, head_name, tree_name):
-    """The head's tree mask and positions: each node scores what a plain run along its own path gives."""
+    """The EAGLE heads' tree mask and positions (specdistill/decoding/tree_drafter.py): each node scores what a
+    plain run along its own path gives."""
     head = heads[head_name]
     decoder, seq, n, feats, tree = draft_one_tree(target, head, TREES[tree_name])
     with torch.no_grad():
@@ -200,27 +210,30 @@ def test_tree_wider_than_the_draft_vocabulary_stops(target):
         TreeDecoder(target, head, {"depth": 2, "top_k": 9})
 
 
-def test_not_an_eagle_head_stops(target):
+@pytest.mark.parametrize("kind", CHAIN_ONLY)
+def test_a_draft_of_a_kind_without_trees_stops(target, kind):
     with pytest.raises(SpecdistillError, match="a kind that drafts trees"):
-        TreeDecoder(target, llama(V, seed=1, layers=1), TREES["static"])
+        TreeDecoder(target, kinds.kind(kind).tiny_draft(target), TREES["static"])
 
 
-def test_sampling_falls_back_to_the_exact_chain(target, heads):
+@pytest.mark.parametrize("head_name", [*TREE_KINDS, "eagle-fit"])
+def test_sampling_falls_back_to_the_exact_chain(target, heads, head_name):
     """At T=0.8 the tree decoder is the chain (K = tree depth), sample for sample: the same tokens and counts as
     the chain engine under the same seeds, so it inherits the chain's distribution (tested exact at T=0.7 and
     T=1 on the default runtime in tests/test_exactness.py; the tree's own chi-square is below)."""
-    head = heads["eagle-fit"]
+    head = heads[head_name]
     tree = TreeDecoder(target, head, TREES["static"])
     chain = SpeculativeDecoder(target, head, k=TREES["static"]["depth"])
     for seed in range(4):
         got = tree.decode(PROMPTS[0], 16, 0.8, torch.Generator().manual_seed(seed))
         want = chain.decode(PROMPTS[0], 16, 0.8, torch.Generator().manual_seed(seed))
         assert got.tree_fallback and (got.tokens, got.accepted, got.steps) == (want.tokens, want.accepted, want.steps)
-    assert len(got.tokens) == 16 and got.steps < 16  # drafts were accepted
+    assert len(got.tokens) == 16 and (got.steps < 16 or head_name not in FITTED)  # the fitted head's drafts accepted
 
 
 @pytest.mark.parametrize("rule", [None, "wrong"])
-def test_sampling_tree_decoder_emits_the_target_distribution(monkeypatch, rule):
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_sampling_tree_decoder_emits_the_target_distribution(monkeypatch, kind, rule):
     """The tree decoder at T>0, against sampling from the target directly (not against the code it calls):
     the joint distribution of its first 3 tokens at depth 2; a wrong accept/residual rule is caught."""
     import specdistill.eval.engine as engine_mod
@@ -228,8 +241,8 @@ def test_sampling_tree_decoder_emits_the_target_distribution(monkeypatch, rule):
 
     if rule:
         monkeypatch.setattr(engine_mod, "verify_chain", wrong_verify_chain)
-    pvalue, accepted = joint_pvalue("eagle", make_decoder=lambda t, d: TreeDecoder(t, d, {"kind": "static", "depth": 2,
-                                                                                          "top_k": 2}))
+    pvalue, accepted = joint_pvalue(kind, runs=2500 if rule else 1500,  # it only shows after two acceptances
+                                    make_decoder=lambda t, d: TreeDecoder(t, d, {"kind": "static", "depth": 2, "top_k": 2}))
     assert accepted[1] > 0
     assert (pvalue > 1e-3) if rule is None else (pvalue < 1e-3), pvalue
 

@@ -33,7 +33,7 @@ def test_eagle_head_round_trips_through_export(tmp_path, smollm_tokenizer, model
     target = load_target(recipe.target)
     step_dir = make_eagle_checkpoint(recipe, target.config, seed=5)
     out = export.export_checkpoint(recipe, step_dir, "vllm-eagle")
-    original = kinds.load_draft(step_dir, target)
+    original = kinds.load_draft(step_dir, target).module
     recipe.draft.init_from = str(out)
     warm = build(recipe, target)
     ids = torch.randint(3, V, (1, 9))

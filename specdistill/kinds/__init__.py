@@ -14,6 +14,7 @@ everything about it; what two kinds share is in `common/` (a kind never imports 
                 shapes(recipe, target_config)   the same on the meta device
                 owns(module)   whether a loaded module is this kind's (the engine and the eval ask it)
                 draft_vocabulary(draft)   the target ids it can propose when fewer than the target's, else None
+                tiny_draft(target_model, k)   a small seeded random draft: the kind's case in the per-kind tests
   objective.py  Objective(head, parts, loss, data)   what DeepSpeed wraps: forward(batch, generator) ->
                 predictions; `loss(pred)` -> (loss, components); `offline_metrics(batches)`
   drafter.py    drafter(draft, target_model, static)   what the decode loop calls to draft (eval/engine.py)
@@ -21,6 +22,11 @@ everything about it; what two kinds share is in `common/` (a kind never imports 
   formats.py    checkpoint_config(draft) / own_state_dict(draft) / load(config, state, target_model)
                 the checkpoint; export(fmt, step_dir, draft_cfg, recipe, target_config, out, k) writes an
                 export format into the directory `out` (train/export.py adds the README and the serve command)
+
+`load_draft(step_dir, target)` returns a `LoadedDraft`: the module with its kind (the checkpoint's), so what
+decodes or measures it never asks the module its kind again. `loaded(draft)` makes one of a bare module handed
+in from outside (a test's or a benchmark's own draft, the target drafting for itself): the one caller of
+`kind_of`, which asks every kind whether it owns the module.
 
 `kind(name)` is a `Kind`: these names, each from the file that defines it, a file imported when one of its
 names is first asked for, so the recipe, `specdistill config` and `specdistill report` (config.py's names
@@ -33,7 +39,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import types
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdistill.errors import SpecdistillError
 from specdistill.formats import read_checkpoint
@@ -89,8 +97,21 @@ def all_kinds() -> list[Kind]:
 
 
 def kind_of(module) -> Kind:
-    """The kind of a loaded draft: an EAGLE head of either kind, else a causal LM."""
+    """The kind of a bare draft module: the first kind (in registry order) that owns it; draft_lm owns any causal LM."""
     return next(k for k in all_kinds() if k.owns(module))
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    """A draft module (a torch module) and its kind."""
+    module: Any
+    kind: Kind
+
+
+def loaded(draft) -> LoadedDraft:
+    """`draft` with its kind: a LoadedDraft as it is; a bare module, handed in from outside (a test's or a
+    benchmark's own draft, the target drafting for itself), with the kind that owns it (kind_of)."""
+    return draft if isinstance(draft, LoadedDraft) else LoadedDraft(draft, kind_of(draft))
 
 
 def export_formats() -> list[str]:
@@ -106,11 +127,12 @@ def kind_of_format(fmt: str) -> Kind:
     raise SpecdistillError(f"--format {fmt!r}: expected one of {', '.join(export_formats())}")
 
 
-def load_draft(step_dir: Path, target_model):
-    """A checkpoint's draft, bound to the loaded target's frozen parts, in eval mode, on the target's device
-    and dtype: an EAGLE head of its kind, or a plain transformers causal LM."""
+def load_draft(step_dir: Path, target_model) -> LoadedDraft:
+    """A checkpoint's draft with its kind (the checkpoint's `kind`): the module bound to the loaded target's frozen
+    parts, in eval mode, on the target's device and dtype (a head of its kind, or a transformers causal LM)."""
     config, state = read_checkpoint(step_dir)
+    draft_kind = kind(config["kind"])
     ref = target_model.get_input_embeddings().weight
     with ref.device:  # built where it runs: no host copy of the head on the way to a GPU
-        draft = kind(config["kind"]).load(config["config"], state, target_model)
-    return draft.to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)
+        module = draft_kind.load(config["config"], state, target_model)
+    return LoadedDraft(module.to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False), draft_kind)

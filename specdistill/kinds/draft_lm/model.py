@@ -107,3 +107,12 @@ def plain_model(model):
 def draft_vocabulary(head) -> torch.Tensor | None:
     """The target ids the draft can propose, where that is fewer than the target's vocabulary."""
     return None  # the target's whole vocabulary
+
+
+def tiny_draft(target_model, k: int = 3):
+    """The kind's case in the per-kind tests: a randomly initialised one-layer model of a (tiny) loaded target's
+    config, seeded."""
+    config = copy.deepcopy(target_model.config)
+    config.num_hidden_layers = 1
+    torch.manual_seed(4)
+    return type(target_model)(config).eval().requires_grad_(False)

@@ -99,6 +99,13 @@ def draft_vocabulary(head) -> torch.Tensor | None:
     return None  # the target's whole vocabulary
 
 
+def tiny_draft(target_model, k: int = 3) -> EagleHead:
+    """A randomly initialised head bound to a (tiny) loaded target, seeded: the kind's case in the per-kind tests."""
+    torch.manual_seed(7)
+    return EagleHead(target_model.config).bind_target(target_model.get_input_embeddings(),
+                                                      target_model.get_output_embeddings()).eval()
+
+
 # ---- the head's weights in vLLM's terms (export folds, warm start unfolds) ----------------------------
 
 def scale_embedding_half(fc: torch.Tensor, target_config, fold: bool) -> torch.Tensor:

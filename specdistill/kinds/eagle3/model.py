@@ -229,6 +229,22 @@ def draft_vocabulary(head) -> torch.Tensor | None:
     return head.draft_ids
 
 
+def tiny_head(target_model, draft_ids: list[int]) -> Eagle3Head:
+    """A randomly initialised head over the draft vocabulary `draft_ids`, reading the target's first, middle and
+    last layers, bound to a (tiny) loaded target, seeded."""
+    torch.manual_seed(8)
+    layers = target_model.config.num_hidden_layers
+    head = Eagle3Head(target_model.config, len(draft_ids), aux_layers=[0, layers // 2, layers])
+    head.set_draft_vocab(torch.tensor(draft_ids))
+    return head.bind_target(target_model.get_input_embeddings()).eval()
+
+
+def tiny_draft(target_model, k: int = 3) -> Eagle3Head:
+    """The kind's case in the per-kind tests: a tiny head whose draft vocabulary lacks every id 2 mod 4 (of a
+    5-token vocabulary: token 2), so a target token it cannot propose is exercised."""
+    return tiny_head(target_model, [t for t in range(target_model.config.vocab_size) if t % 4 != 2])
+
+
 # ---- warm start: a released head (vllm-eagle3 or speculators) read back -----------------------------
 
 def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:

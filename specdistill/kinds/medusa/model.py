@@ -107,3 +107,21 @@ def owns(module) -> bool:
 
 def draft_vocabulary(head) -> torch.Tensor | None:
     return None  # the target's whole vocabulary
+
+
+def tiny_heads(target_model, heads: int = 3, layers: int = 1, std: float = 0.1) -> MedusaHeads:
+    """Heads for a (tiny) loaded target, seeded, their LM heads the target's, every weight moved by `std` times
+    noise (not the identity init): q differs from p, and from head to head."""
+    torch.manual_seed(9)
+    cfg = target_model.config
+    head = MedusaHeads(MedusaConfig(cfg.hidden_size, cfg.vocab_size, heads, layers))
+    head.init_lm_heads(target_model.get_output_embeddings().weight)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(std * torch.randn_like(p))
+    return head.eval().requires_grad_(False)
+
+
+def tiny_draft(target_model, k: int = 3) -> MedusaHeads:
+    """The kind's case in the per-kind tests: one random head per draft depth (k)."""
+    return tiny_heads(target_model, heads=k)
