@@ -37,7 +37,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     target = load_target(recipe.target, device=devices.resolve(recipe.device))
     runtime = make_runtime(target, recipe.eval.runtime)
     draft, checkpoint, _ = draft_for(recipe, target)
-    draft = draft.to(device=runtime.device, dtype=runtime.dtype)
+    draft.module.to(device=runtime.device, dtype=runtime.dtype)  # in place: the LoadedDraft keeps its module
     report = {"checkpoint": checkpoint, "run_dir": str(recipe.run_dir), "num_prompts": recipe.eval.num_prompts,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
     print(f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}, {runtime.name}, T=0, "
