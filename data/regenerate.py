@@ -30,9 +30,10 @@ from specdistill.data.prepare import SPLITS, fingerprint, load_prepared, select_
 from specdistill.data.tokenize import has_chat_template, prompt_ids
 from specdistill.errors import SpecdistillError
 from specdistill.formats import append_jsonl, read_corpus_summary, read_jsonl, write_json_atomic
+from specdistill.processes import last_error
 from specdistill.target import (cut_at_eos, eos_token_ids, fingerprint_target, fingerprint_tokenizer, load_tokenizer,
                                 resolve_target, target_eos_token_ids)
-from specdistill.vllm_env import last_error, run_script, vllm_python
+from specdistill.vllm_env import run_script, vllm_python
 
 VLLM_GENERATE = Path(__file__).with_name("vllm_generate.py")
 VLLM_CHUNK = 256  # prompts per call of vLLM's generate: what a killed run can lose; vLLM batches within it

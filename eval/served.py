@@ -34,8 +34,9 @@ from specdistill.eval.prompts import load_prompts
 from specdistill.eval.results import read_result
 from specdistill.eval.runtime_names import parse_runtime, resolve_runtime_name
 from specdistill.eval.served_tables import SERVED_NOTE, served_note, served_summary
+from specdistill.processes import last_error
 from specdistill.target import load_tokenizer, resolve_target
-from specdistill.vllm_env import INSTALL_HINT, last_error, run_script, vllm_python
+from specdistill.vllm_env import INSTALL_HINT, run_script, vllm_python
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 TAU_PARITY = 0.05  # issue 35's goal: served tau at T=0 within 0.05 of ours

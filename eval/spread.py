@@ -27,7 +27,7 @@ from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.tables import summary_lines
 from specdistill.formats import read_eval, write_yaml
-from specdistill.processes import process_env
+from specdistill.processes import last_error, process_env
 from specdistill.recipe import recipe_dump
 
 WORKER = "specdistill.eval.spread_worker"
@@ -113,12 +113,6 @@ def wait(procs: list[tuple]) -> None:
             running.remove(entry)
             if p.returncode != 0:
                 raise SpecdistillError(f"eval process {i} ({where}) exited with status {p.returncode}: "
-                                       f"{last_line(log)} (log {log})")
+                                       f"{last_error(log)} (log {log})")
         if running:
             time.sleep(0.5)
-
-
-def last_line(log: Path) -> str:
-    """The last line a process wrote: its error where it stopped on one."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"

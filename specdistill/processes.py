@@ -122,3 +122,10 @@ def join(device: torch.device) -> tuple[int, int]:
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size()
+
+
+def last_error(log: Path) -> str:
+    """The line of a process's log that says what went wrong: its last line naming an error, else its last line."""
+    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error:" in l]
+    return (errors or lines or ["no output"])[-1].strip()[:300]

@@ -38,10 +38,3 @@ def run_script(python: Path, script: Path, args: list[str], log: Path, timeout_s
         except subprocess.TimeoutExpired:
             rc = "timeout"
     return rc, time.perf_counter() - started
-
-
-def last_error(log: Path) -> str:
-    """The line of a vLLM log that says what went wrong (else its last line)."""
-    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()]
-    errors = [l for l in lines if "Error" in l or "error:" in l]
-    return (errors or lines or ["no output"])[-1].strip()[:300]
