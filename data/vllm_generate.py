@@ -48,9 +48,8 @@ def main(job_file: str, result_file: str) -> None:
         seconds += time.perf_counter() - t0
         lines = [json.dumps({"i": p["i"], "ids": list(o.outputs[0].token_ids)}) for p, o in zip(chunk, outs)]
         generated += sum(len(o.outputs[0].token_ids) for o in outs)
-        with open(job["partial"], "a+b") as fh:  # as specdistill's append_jsonl: a line a kill cut is ended first
-            cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
-            fh.write(("\n" if cut else "").encode() + "".join(line + "\n" for line in lines).encode())
+        with open(job["partial"], "a") as fh:  # whole lines: a line an earlier kill cut was ended by the caller
+            fh.write("".join(line + "\n" for line in lines))
             fh.flush()
             os.fsync(fh.fileno())
         print(f"vllm_generate: {start + len(chunk)}/{len(prompts)} prompts, {generated / seconds:.1f} generated "
