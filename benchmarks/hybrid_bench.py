@@ -15,8 +15,7 @@ from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
 from specdistill.eval.by_workload import measure, prompt_sets
 from specdistill.eval.runtime import make_runtime
-from specdistill.eval.summary import CI_NOTE
-from specdistill.eval.workload_tables import HEADER, rows
+from specdistill.eval.workload_tables import console_lines
 from specdistill.formats import write_json_atomic
 from specdistill.recipe import load_recipe
 from specdistill.target import load_target, load_tokenizer
@@ -37,14 +36,9 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     target = load_target(recipe.target, device=devices.resolve(recipe.device))
     runtime = make_runtime(target, recipe.eval.runtime)
     draft, checkpoint, _ = draft_for(recipe, target)
-    draft.module.to(device=runtime.device, dtype=runtime.dtype)  # in place: the LoadedDraft keeps its module
     report = {"checkpoint": checkpoint, "run_dir": str(recipe.run_dir), "num_prompts": recipe.eval.num_prompts,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
-    print(f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}, {runtime.name}, T=0, "
-          f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']}; {CI_NOTE}")
-    print("  ".join(HEADER))
-    for row in rows(report):
-        print("  ".join(row))
+    print("\n".join(console_lines(report)))
     out = recipe.run_dir.parent / "bench" / "hybrid.json"  # beside the runs, as checkpoints/bench/runtime.json
     write_json_atomic(out, report)
     print(f"wrote {out}")

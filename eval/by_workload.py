@@ -27,7 +27,7 @@ from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_draf
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import StaticRuntime, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import CI_NOTE, bootstrap_per_prompt, per_prompt
-from specdistill.eval.workload_tables import DRAFTERS, HEADER, rows
+from specdistill.eval.workload_tables import DRAFTERS, console_lines
 from specdistill.eval.workloads import BUDGET, SOURCES, WORKLOADS, code_source, load_workload
 from specdistill.formats import write_json_atomic
 from specdistill.target import load_target, load_target_config, load_tokenizer, one_device_shortfall, vocab_size_of
@@ -43,7 +43,9 @@ def prompt_sets(recipe, tokenizer, n: int) -> dict:
 
 
 def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
-    """Every workload, then the mix: the report's numbers (without where they came from)."""
+    """Every workload, then the mix: the report's numbers (without where they came from). The draft (a
+    kinds.LoadedDraft) is moved to the runtime's device and dtype first, before any drafter wraps it."""
+    draft.module.to(device=runtime.device, dtype=runtime.dtype)
     eos, k = eos_token_ids(target, tokenizer), recipe.eval.k
     hybrid = HybridDrafter(make_drafter(draft, target, static=isinstance(runtime, StaticRuntime)),
                            PromptLookup(vocab_size_of(target)))
@@ -123,14 +125,10 @@ def run(recipe, args=None) -> Path | None:
     target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
     runtime = make_runtime(target, name)
     draft = kinds.load_draft(step_dir, target)
-    draft.module.to(device=runtime.device, dtype=runtime.dtype)
     report = {"checkpoint": step_dir.name, "run_dir": str(recipe.run_dir), "num_prompts": n,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
     out = layout.eval_dir(recipe.run_dir) / f"workloads-{step_dir.name}.{runtime.name}.json"
     write_json_atomic(out, report)
-    print(f"checkpoint {step_dir.name}, K={report['k']}, {runtime.name}, T=0; {CI_NOTE}")
-    print("  ".join(HEADER))
-    for row in rows(report):
-        print("  ".join(row))
+    print("\n".join(console_lines(report)))
     print(f"wrote {out}")
     return out

@@ -45,3 +45,10 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             "`specdistill workloads` decodes each category with both and their hybrid, every decode checked "
             "token-identical to plain decoding; intervals: 95% bootstrap over prompts.\n\n"
             + "\n".join(parts))
+
+
+def console_lines(report: dict) -> list[str]:
+    """What the workloads stage and the hybrid bench print of a report: where it was measured, then the table."""
+    return [f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}, {report['runtime']}, T=0, "
+            f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']}; {report['ci']}",
+            "  ".join(HEADER), *("  ".join(row) for row in rows(report))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdistill.eval.by_workload import pooled
-from specdistill.eval.workload_tables import DRAFTERS, rows, workload_section
+from specdistill.eval.workload_tables import DRAFTERS, console_lines, rows, workload_section
 from specdistill.formats import write_json_atomic
 
 
@@ -24,12 +24,15 @@ def test_pooled_numbers_and_the_reports_table(tmp_path):
     assert got["tau_ci95"][0] <= got["tau"] <= got["tau_ci95"][1] and got["lossless"] is True
     mixed = pooled(hybrid)
     assert mixed["lookup_step_share"] == 15 / 52 and mixed["lossless"] is False  # one prompt differed: not lossless
-    report = {"checkpoint": "step-0000002", "k": 2, "runtime": "static-bf16", "max_new_tokens": 64, "cpu_isa": "AVX2",
+    report = {"checkpoint": "step-0000002", "run_dir": "runs/run", "ci": "95% bootstrap", "k": 2,
+              "runtime": "static-bf16", "max_new_tokens": 64, "cpu_isa": "AVX2",
               "workloads": {"chat": {"prompts": 2, "head": got, "lookup": got, "hybrid": mixed}}}
     report["mix"] = {"prompts": 2, **{d: report["workloads"]["chat"][d] for d in DRAFTERS}}
     table = rows(report)
     assert [r[:2] for r in table] == [[f"{w} (n=2)", d] for w in ("chat", "mix") for d in DRAFTERS]
     assert table[2][4] == "**no**" and table[2][5] == "29%" and table[0][4] == "yes"
+    assert console_lines(report)[0].startswith("checkpoint step-0000002 of runs/run, K=2, static-bf16, T=0")
+    assert console_lines(report)[2:] == ["  ".join(row) for row in table]
     run = tmp_path / "run"
     write_json_atomic(run / "eval" / "workloads-step-0000002.static-bf16.json", report)
     section = workload_section({"run": run})
