@@ -1,13 +1,16 @@
 """The `workloads` stage: the head alone, prompt lookup alone and their hybrid (specdistill/decoding/hybrid.py), per
 workload, on the run's last checkpoint (issue 37: on prompts that carry their own material, lookup can beat the head).
 
-At T=0 and eval.k, in eval.runtime, on eval.workload_prompts prompts of each workload:
+At T=0 and eval.k, in eval.runtime, on eval.workload_prompts prompts of each workload (and, for a kind that drafts
+trees and a recipe with eval.tree, the head's tree alone and the hybrid tree: lookup's draft grafted onto the head's
+tree as one more branch, eval/tree.py):
   chat        the recipe's eval prompts (MT-bench by default; the first ones, as the eval decodes them);
   summarise, passage_qa, code, math   the categories of eval/workloads.py (PyPI data);
 and the mix: every workload's prompts pooled. Each prompt is decoded by plain decoding and by each drafter,
 interleaved (plain first on even prompts, last on odd ones), every decode checked token-identical to plain
 decoding. Per workload and drafter: tau and speedup over plain decoding with 95% bootstrap intervals over prompts
-(eval/summary.py), lossless, and for the hybrid the share of steps lookup drafted. Written to
+(eval/summary.py), lossless, and for the hybrids the share of steps lookup drafted (the chain hybrid) or whose
+accepted path ran through lookup's branch (the hybrid tree). Written to
 eval/workloads-<checkpoint>.<runtime>.json; the report renders it (eval/workload_tables.py). eval.workload_prompts=0
 skips the stage. `make bench ARGS=hybrid` runs the same measurement with more prompts.
 """
@@ -27,6 +30,7 @@ from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_draf
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import StaticRuntime, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import CI_NOTE, bootstrap_per_prompt, per_prompt
+from specdistill.eval.tree import TreeDecoder
 from specdistill.eval.workload_tables import DRAFTERS, console_lines
 from specdistill.eval.workloads import BUDGET, SOURCES, WORKLOADS, code_source, load_workload
 from specdistill.formats import write_json_atomic
@@ -53,6 +57,11 @@ def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
                 "head": SpeculativeDecoder(runtime, draft, k=k, eos_ids=eos),
                 "lookup": SpeculativeDecoder(runtime, PromptLookup(vocab_size_of(target)), k=k, eos_ids=eos),
                 "hybrid": SpeculativeDecoder(runtime, hybrid, k=k, eos_ids=eos)}
+    counters = {"hybrid": hybrid}  # what counts each hybrid's lookup and head steps (its .steps, reset per decode)
+    if recipe.eval.tree and draft.kind.DRAFTS_TREES:
+        decoders["head_tree"] = TreeDecoder(runtime, draft, recipe.eval.tree, eos_ids=eos)
+        decoders["hybrid_tree"] = TreeDecoder(runtime, draft, recipe.eval.tree, eos_ids=eos, lookup=True)
+        counters["hybrid_tree"] = decoders["hybrid_tree"].stepper
     report = {"k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
               "cpu_isa": devices.cpu_isa(), "sources": {"chat": recipe.eval.prompts, **SOURCES, "code": code_source()},
               "budget_tokens": BUDGET, "ci": CI_NOTE, "workloads": {}}
@@ -62,34 +71,33 @@ def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
             for d in decoders.values():  # warm-up, untimed
                 d.decode(prompts[0].ids, 8)
             report["workloads"][name] = {"prompts": len(prompts),
-                                         **workload(decoders, hybrid, prompts, recipe.eval.max_new_tokens)}
+                                         **workload(decoders, counters, prompts, recipe.eval.max_new_tokens)}
             report["workloads"][name]["wall_s"] = round(time.time() - started, 1)
             print(f"{name}: {len(prompts)} prompts in {report['workloads'][name]['wall_s']} s", flush=True)
     every = report["workloads"].values()
     report["mix"] = {"prompts": sum(w["prompts"] for w in every),
-                     **{d: pooled([r for w in every for r in w[d]["per_prompt"]]) for d in DRAFTERS}}
+                     **{d: pooled([r for w in every for r in w[d]["per_prompt"]]) for d in DRAFTERS if d in decoders}}
     return report
 
 
-def workload(decoders: dict, hybrid: HybridDrafter, prompts, max_new_tokens: int) -> dict:
+def workload(decoders: dict, counters: dict, prompts, max_new_tokens: int) -> dict:
     """Every decoder on every prompt; per drafter tau, speedup, their intervals and the per-prompt records."""
     runs = {name: [] for name in decoders}
-    steps = []  # the hybrid's (lookup, head) steps per prompt
+    steps = {name: [] for name in counters}  # each hybrid's (lookup, head) steps per prompt
     for i, p in enumerate(prompts):
         order = list(decoders) if i % 2 == 0 else [*list(decoders)[1:], "plain"]
         for name in order:
             runs[name].append(decoders[name].decode(p.ids, max_new_tokens))
-            if name == "hybrid":
-                steps.append((hybrid.steps["lookup"], hybrid.steps["head"]))
+            if name in counters:
+                steps[name].append((counters[name].steps["lookup"], counters[name].steps["head"]))
     plain = runs["plain"]
     out = {"plain_tokens_per_s": merge_counts(plain)["tokens_per_s"]}
-    for name in DRAFTERS:
+    for name in (d for d in DRAFTERS if d in decoders):
         records = per_prompt(runs[name], plain)
         for r, s, b in zip(records, runs[name], plain):
             r["lossless"] = s.tokens == b.tokens
-        if name == "hybrid":
-            for r, (lookup, head) in zip(records, steps):
-                r["lookup_steps"], r["head_steps"] = lookup, head
+        for r, (lookup, head) in zip(records, steps.get(name, ())):
+            r["lookup_steps"], r["head_steps"] = lookup, head
         out[name] = pooled(records)
     return out
 

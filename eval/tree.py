@@ -45,6 +45,8 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from specdistill import contracts, kinds
+from specdistill.decoding.hybrid import HybridDrafter
+from specdistill.decoding.lookup import PromptLookup
 from specdistill.decoding.tree_drafter import DraftTree, TreeShape
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import DecodeResult, SpeculativeDecoder, Target, Verified, as_runtime, decode_loop
@@ -101,6 +103,22 @@ def greedy_walk(best: list[int], tokens: list[int], parents: list[int]) -> list[
 
 # ----------------------------------------------------------------------------- drafting
 
+def graft(tree: DraftTree, chain: list[int]) -> int:
+    """Add `chain` (prompt lookup's draft) to `tree` as a path from the root: follow a child that already holds the
+    chain's next token, add a node where none does. Returns the index of the first added node (len before)."""
+    first, node = len(tree.tokens), -1
+    for token in chain:
+        nxt = next((i for i in range(len(tree.tokens)) if tree.parents[i] == node and tree.tokens[i] == token), None)
+        if nxt is None:
+            tree.tokens.append(token)
+            tree.parents.append(node)
+            tree.depths.append(tree.depths[node] + 1 if node >= 0 else 1)
+            tree.scores.append(0.0)  # read by nothing: the rerank ran before the graft
+            nxt = len(tree.tokens) - 1
+        node = nxt
+    return first
+
+
 def _select(tree: DraftTree, keep: list[int]) -> DraftTree:
     """The sub-tree of nodes `keep` (each one's parent kept too), in parent-first order."""
     keep = sorted(keep)
@@ -114,22 +132,32 @@ def _select(tree: DraftTree, keep: list[int]) -> DraftTree:
 
 class TreeStepper:
     """One step of the decode loop (eval/engine.py `decode_loop`): draft a tree, verify it in one target
-    forward with a tree mask, walk the greedy path."""
+    forward with a tree mask, walk the greedy path.
 
-    def __init__(self, drafter: contracts.TreeDrafting, shape: TreeShape):
+    With `lookup` (the hybrid tree), prompt lookup's draft is grafted onto the head's tree as one more branch
+    (after the rerank, so the head keeps its total_tokens): the target verifies both in the same forward, and the
+    greedy walk takes whichever the target agrees with. `steps` counts, per decode, the steps whose accepted path
+    ran through a node only lookup drafted ("lookup") and the others ("head")."""
+
+    def __init__(self, drafter: contracts.TreeDrafting, shape: TreeShape, lookup: PromptLookup | None = None):
         # the drafter of a kind that drafts trees brings its tree drafter (EAGLE heads: TreeDrafter above;
         # Medusa: top-k per head)
         self.drafter: contracts.TreeDrafter = drafter.tree_drafter()
-        self.shape = shape
+        self.shape, self.lookup = shape, lookup
+        self.grafted = 0  # this step's first lookup-only node
+        self.steps = {"lookup": 0, "head": 0}
 
     def reset(self, capacity: int) -> None:
         self.drafter.reset()
+        self.steps = {"lookup": 0, "head": 0}
 
     def draft(self, seq, n, new_features, depth, temperature, generator) -> DraftTree:
         tree = self.drafter.draft(seq, n, new_features, self.shape, depth)
         if self.shape.total_tokens:  # dynamic: rerank, the best total_tokens nodes overall
             order = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], i))
             tree = _select(tree, order[:self.shape.total_tokens])
+        if self.lookup is not None:
+            self.grafted = graft(tree, self.lookup.match(seq, n, depth).tolist())
         return tree
 
     def verify(self, target, seq, n, tree: DraftTree, temperature, generator) -> Verified:
@@ -141,17 +169,21 @@ class TreeStepper:
         path = greedy_walk(best, tokens, parents)
         a = len(path) - 1
         judged = path[a] in set(parents[1:])  # the walk's last node had children the target rejected
+        if self.lookup is not None:  # node i of the walk is the tree's node i - 1
+            self.steps["lookup" if any(i - 1 >= self.grafted for i in path[1:]) else "head"] += 1
         return Verified([tokens[i] for i in path[1:]] + [best[path[-1]]], path, features,
                         drafted=max(tree.depths, default=0), tested=a + judged, accepted=a,
                         draft_forwards=tree.forwards, nodes=len(tree.tokens))
 
 
 class TreeDecoder:
-    """Greedy tree speculative decoding of `target` with an EAGLE / EAGLE-3 head."""
+    """Greedy tree speculative decoding of `target` with an EAGLE / EAGLE-3 head, or with the head and prompt
+    lookup as branches of one tree (`lookup=True`, the hybrid tree)."""
 
-    def __init__(self, target, head, tree, eos_ids=()):
+    def __init__(self, target, head, tree, eos_ids=(), lookup: bool = False):
         """target: a runtime (eval/runtime.py) or a transformers model (run eagerly in its own dtype); head: a
-        kinds.LoadedDraft (or a bare module); tree: the recipe's `eval.tree`."""
+        kinds.LoadedDraft (or a bare module); tree: the recipe's `eval.tree`; lookup: graft prompt lookup's draft
+        onto every step's tree (at T > 0 the fallback chain is the chain hybrid, decoding/hybrid.py)."""
         draft = kinds.loaded(head)
         kind, head = draft.kind, draft.module
         if not kind.DRAFTS_TREES:
@@ -169,14 +201,16 @@ class TreeDecoder:
         self.chain_drafter: contracts.TreeDrafting = kind.drafter(  # checks the vocabulary; also the T > 0 fallback
             head, self.runtime.model, static=isinstance(self.runtime, StaticRuntime))
         self.target = Target(self.runtime, self.chain_drafter.features)
-        self.stepper = TreeStepper(self.chain_drafter, self.shape)
+        self.lookup = PromptLookup(vocab_size_of(self.runtime.model)) if lookup else None
+        self.stepper = TreeStepper(self.chain_drafter, self.shape, self.lookup)
         self.eos_ids = set(eos_ids)
 
     @torch.inference_mode()
     def decode(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                generator: torch.Generator | None = None) -> TreeDecodeResult:
         if temperature > 0:  # trees are greedy only: the exact chain, same head, K = tree depth
-            chain = SpeculativeDecoder(self.runtime, self.chain_drafter, k=self.shape.depth, eos_ids=self.eos_ids)
+            drafter = self.chain_drafter if self.lookup is None else HybridDrafter(self.chain_drafter, self.lookup)
+            chain = SpeculativeDecoder(self.runtime, drafter, k=self.shape.depth, eos_ids=self.eos_ids)
             res = chain.decode(prompt_ids, max_new_tokens, temperature, generator)
             return TreeDecodeResult(**vars(res), tree_fallback=True)
         return decode_loop(self.target, self.stepper, prompt_ids, max_new_tokens, self.shape.depth, self.eos_ids,

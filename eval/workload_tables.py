@@ -6,7 +6,7 @@ from pathlib import Path
 from specdistill import layout
 from specdistill.formats import read_json
 
-DRAFTERS = ("head", "lookup", "hybrid")
+DRAFTERS = ("head", "lookup", "hybrid", "head_tree", "hybrid_tree")  # the trees: kinds that draft trees only
 HEADER = ["workload (prompts)", "drafter", "tau [95% CI]", "speedup over plain [95% CI]", "lossless",
           "lookup's share of steps"]
 
@@ -17,9 +17,9 @@ def rows(report: dict) -> list[list[str]]:
     out = []
     named = [*report["workloads"].items(), *([("mix", report["mix"])] if "mix" in report else [])]
     for name, w in named:
-        for d in DRAFTERS:
+        for d in (d for d in DRAFTERS if d in w):
             r = w[d]
-            share = f"{r['lookup_step_share']:.0%}" if d == "hybrid" else ("100%" if d == "lookup" else "0%")
+            share = f"{r['lookup_step_share']:.0%}" if "lookup_step_share" in r else ("100%" if d == "lookup" else "0%")
             tau = f"{r['tau']:.2f}" + (f" {ci(r['tau_ci95'])}" if "tau_ci95" in r else "")
             out.append([f"{name} (n={w['prompts']})", d, tau, f"{r['speedup']:.2f}× {ci(r['speedup_ci95'])}",
                         "yes" if r["lossless"] else "**no**", share])
@@ -43,7 +43,10 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             "On prompts that carry their own material (a text to summarise, a passage to answer from, code to edit) "
             "an answer copies spans of its prompt, and prompt lookup can draft better than the head. "
             "`specdistill workloads` decodes each category with both and their hybrid, every decode checked "
-            "token-identical to plain decoding; intervals: 95% bootstrap over prompts.\n\n"
+            "token-identical to plain decoding; intervals: 95% bootstrap over prompts. The chain hybrid drafts from "
+            "lookup where the last n-gram recurs, else from the head; the hybrid tree verifies the head's tree and "
+            "lookup's draft as branches of one tree (its lookup share: steps whose accepted path ran through "
+            "lookup's branch).\n\n"
             + "\n".join(parts))
 
 

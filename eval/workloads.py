@@ -22,7 +22,6 @@ Torch-free; the tokenizer counts tokens.
 from __future__ import annotations
 
 import ast
-import json
 import re
 import sys
 import sysconfig
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_json
 from specdistill.eval.prompts import Prompt, encode_prompt, spread_over_categories
 from specdistill.target_files import pypi_asset
 
@@ -81,9 +81,9 @@ def code_source() -> str:
 def _read_json(spec: str):
     path = pypi_asset(spec)
     try:
-        return path, json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecdistillError(f"workload data {path}: not readable JSON ({e})") from None
+        return path, read_json(path)
+    except SpecdistillError as e:  # "<path>: not valid JSON (...)"
+        raise SpecdistillError(f"workload data {e}") from None
 
 
 def _bad(path: Path, what: str) -> SpecdistillError:

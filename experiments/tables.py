@@ -13,6 +13,7 @@ from benchmarks import peer_table
 from specdistill.eval.served import headless_divergence, verdict, vllm_own_divergence
 from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
+from specdistill.eval.workload_tables import rows as workload_rows
 
 
 def f2(x) -> str:
@@ -196,6 +197,11 @@ def planned_run(results: dict) -> list[list[str]]:
                   f"{total / plan['total_s'] - 1:+.0%}) on {plan['machine']}"] + [""] * (len(row) - 1)]
 
 
+def by_workload(results: dict) -> list[list[str]]:
+    """One row per workload and drafter of the hybrid bench (the workloads stage's table, eval/workload_tables.py)."""
+    return workload_rows(results["main"])
+
+
 def peer(results: dict) -> list[list[str]]:
     """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
     return peer_table.rows(results["main"])
@@ -206,4 +212,5 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
                                                       "served-parity": served, "default-90min-avx2": planned_run,
-                                                      "default-90min-avx512": planned_run}
+                                                      "default-90min-avx512": planned_run,
+                                                      "default-90min-xeon": planned_run, "by-workload-xeon": by_workload}

@@ -27,10 +27,15 @@ def test_pooled_numbers_and_the_reports_table(tmp_path):
     report = {"checkpoint": "step-0000002", "run_dir": "runs/run", "ci": "95% bootstrap", "k": 2,
               "runtime": "static-bf16", "max_new_tokens": 64, "cpu_isa": "AVX2",
               "workloads": {"chat": {"prompts": 2, "head": got, "lookup": got, "hybrid": mixed}}}
+    report["mix"] = {"prompts": 2, **report["workloads"]["chat"]}
+    chain_only = rows(report)  # a kind that drafts no trees: no tree rows
+    assert [r[:2] for r in chain_only] == [[f"{w} (n=2)", d] for w in ("chat", "mix") for d in ("head", "lookup", "hybrid")]
+    report["workloads"]["chat"].update(head_tree=got, hybrid_tree=mixed)
     report["mix"] = {"prompts": 2, **{d: report["workloads"]["chat"][d] for d in DRAFTERS}}
     table = rows(report)
     assert [r[:2] for r in table] == [[f"{w} (n=2)", d] for w in ("chat", "mix") for d in DRAFTERS]
     assert table[2][4] == "**no**" and table[2][5] == "29%" and table[0][4] == "yes"
+    assert table[3][5] == "0%" and table[4][5] == "29%"  # the head's tree; the hybrid tree's lookup share
     assert console_lines(report)[0].startswith("checkpoint step-0000002 of runs/run, K=2, static-bf16, T=0")
     assert console_lines(report)[2:] == ["  ".join(row) for row in table]
     run = tmp_path / "run"

@@ -1,5 +1,5 @@
-"""Prompt lookup and the lookup/head hybrid (specdistill/decoding/lookup.py, hybrid.py): lossless like any
-drafter, and the head behind the hybrid drafts as if it had read every target state."""
+"""Prompt lookup and the lookup/head hybrids (specdistill/decoding/lookup.py, hybrid.py; the hybrid tree, eval/tree.py):
+lossless like any drafter, and the head behind the hybrid drafts as if it had read every target state."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,9 @@ import torch
 from specdistill import kinds
 from specdistill.decoding.hybrid import HybridDrafter
 from specdistill.decoding.lookup import PromptLookup
+from specdistill.decoding.tree_drafter import DraftTree
 from specdistill.eval.engine import SpeculativeDecoder, make_drafter
+from specdistill.eval.tree import TreeDecoder, graft
 from tests.test_engine import (JOINT_VOCAB, PROMPTS, RecordingEagleDrafter, assert_drafts_from_scratch,
                                drafts_for, eagle_for, joint_pvalue, llama)
 
@@ -21,6 +23,17 @@ REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 11, 12, 13, 11, 12], *PROMPTS]
 @pytest.fixture(scope="module")
 def target():
     return llama(512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def copying():
+    """A tiny Llama whose attention outputs are zero: its next token is a function of the current one, so its greedy
+    text falls into a cycle, which prompt lookup drafts whole (the random target above rarely repeats itself)."""
+    model = llama(512, seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return model
 
 
 def test_lookup_drafts_the_continuation_of_the_most_recent_occurrence():
@@ -60,6 +73,51 @@ def test_head_after_lookup_steps_drafts_as_a_from_scratch_head(target):
     SpeculativeDecoder(target, hybrid, k=3).decode(REPEATING[0], 24)
     assert hybrid.steps["lookup"] >= 2 and len(drafter.seen) >= 2, hybrid.steps
     assert_drafts_from_scratch(target, head, drafter.seen)
+
+
+TREE_KINDS = [k.NAME for k in kinds.all_kinds() if k.DRAFTS_TREES]
+DYNAMIC = {"kind": "dynamic", "depth": 4, "top_k": 3, "total_tokens": 10}
+
+
+def test_graft_follows_the_tree_then_adds_lookups_branch():
+    # root children 7 (node 0) and 8 (node 1); 7 -> 9 (node 2)
+    tree = DraftTree([7, 8, 9], [-1, -1, 0], [1, 1, 2], [-0.1, -0.2, -0.3])
+    assert graft(tree, [7, 9, 4, 5]) == 3  # 7 and 9 are the head's nodes; 4 and 5 hang below 9
+    assert (tree.tokens, tree.parents, tree.depths) == ([7, 8, 9, 4, 5], [-1, -1, 0, 2, 3], [1, 1, 2, 3, 4])
+    assert graft(tree, [6]) == 5 and (tree.parents[5], tree.depths[5]) == (-1, 1)  # a new root child
+    assert graft(tree, []) == 6 and len(tree.tokens) == 6
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+@pytest.mark.parametrize("which", ["target", "copying"])
+def test_hybrid_tree_greedy_identical_to_baseline(request, which, kind):
+    """Lookup's branch grafted onto the head's tree: token-identical to plain decoding, and lookup's branch is the
+    accepted path on some steps (the untrained head's on others), on the copying target whole paths of it. (Wrong
+    rotary positions of lookup's nodes: tests/test_tree.py's real-target test.)"""
+    target = request.getfixturevalue(which)
+    baseline = SpeculativeDecoder(target, None)
+    draft = kinds.kind(kind).tiny_draft(target)
+    for shape in ({"kind": "static", "depth": 3, "top_k": 2}, DYNAMIC):
+        decoder = TreeDecoder(target, draft, shape, lookup=True)
+        used, deep = {"lookup": 0, "head": 0}, 0
+        for prompt in REPEATING:
+            got = decoder.decode(prompt, 24)
+            assert got.tokens == baseline.decode(prompt, 24).tokens, (kind, shape, prompt)
+            used = {s: used[s] + decoder.stepper.steps[s] for s in used}
+            deep += got.accepted[1]
+        assert used["lookup"] and used["head"], (kind, shape, used)
+        assert deep or which == "target", (kind, shape)  # lookup's branch is a path: 2 of its tokens in one step
+
+
+def test_hybrid_tree_falls_back_to_the_chain_hybrid_at_t1(target):
+    """At T > 0 trees are greedy only: the hybrid tree decodes as the chain hybrid at K = the tree's depth."""
+    draft = kinds.kind(TREE_KINDS[0]).tiny_draft(target)
+    tree = TreeDecoder(target, draft, DYNAMIC, lookup=True)
+    chain = SpeculativeDecoder(target, HybridDrafter(make_drafter(draft, target), PromptLookup(512)), k=DYNAMIC["depth"])
+    for prompt in REPEATING[:2]:
+        got = tree.decode(prompt, 16, 1.0, torch.Generator().manual_seed(3))
+        want = chain.decode(prompt, 16, 1.0, torch.Generator().manual_seed(3))
+        assert got.tree_fallback and (got.tokens, got.accepted) == (want.tokens, want.accepted), prompt
 
 
 @pytest.mark.parametrize("draft_name", kinds.KIND_NAMES)

@@ -272,3 +272,11 @@ def test_greedy_tree_identical_on_real_target(smollm_tokenizer):
             print(f"{name}: {1000 * got.verify_s / got.steps:.1f} ms/tree verify "
                   f"({got.tree_nodes / got.steps:.1f} nodes) vs {1000 * c.verify_s / c.steps:.1f} ms/chain verify "
                   f"(K=4); plain step {1000 * want.verify_s / want.steps:.1f} ms")
+    # the hybrid tree (lookup's branch grafted on) where the answer copies its prompt: the untrained head accepts
+    # little, lookup's branch whole paths, at the rotary positions of their depths
+    copy = smollm_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog by the river."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = decode_baseline(model, copy, 24, eos_ids=eos)
+    got = TreeDecoder(model, head, TREES["dynamic"], eos_ids=eos, lookup=True).decode(copy, 24)
+    assert got.tokens == want.tokens and got.accepted[2] > 0, (got.accepted, smollm_tokenizer.decode(want.tokens))

@@ -109,7 +109,7 @@ def test_missing_package_is_one_line_with_its_install_command(monkeypatch):
 
 
 @pytest.mark.parametrize("name,content,says", [
-    ("math", "[{", "not readable JSON"),
+    ("math", "[{", "not valid JSON"),
     ("math", json.dumps([{"problem": "x"}]), "each problem needs 'question' and 'data_source'"),
     ("passage_qa", json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "c"}]}]}), "not SQuAD's layout"),
     ("passage_qa", json.dumps({"version": "v2.0"}), "expected SQuAD's"),
