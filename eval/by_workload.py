@@ -53,6 +53,9 @@ def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
     eos, k = eos_token_ids(target, tokenizer), recipe.eval.k
     hybrid = HybridDrafter(make_drafter(draft, target, static=isinstance(runtime, StaticRuntime)),
                            PromptLookup(vocab_size_of(target)))
+    report = {"k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
+              "cpu_isa": devices.cpu_isa(), "sources": {"chat": recipe.eval.prompts, **SOURCES, "code": code_source()},
+              "budget_tokens": BUDGET, "ci": CI_NOTE, "workloads": {}}
     decoders = {"plain": SpeculativeDecoder(runtime, None, eos_ids=eos),
                 "head": SpeculativeDecoder(runtime, draft, k=k, eos_ids=eos),
                 "lookup": SpeculativeDecoder(runtime, PromptLookup(vocab_size_of(target)), k=k, eos_ids=eos),
@@ -62,9 +65,7 @@ def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
         decoders["head_tree"] = TreeDecoder(runtime, draft, recipe.eval.tree, eos_ids=eos)
         decoders["hybrid_tree"] = TreeDecoder(runtime, draft, recipe.eval.tree, eos_ids=eos, lookup=True)
         counters["hybrid_tree"] = decoders["hybrid_tree"].stepper
-    report = {"k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
-              "cpu_isa": devices.cpu_isa(), "sources": {"chat": recipe.eval.prompts, **SOURCES, "code": code_source()},
-              "budget_tokens": BUDGET, "ci": CI_NOTE, "workloads": {}}
+        report["tree"] = dict(recipe.eval.tree)
     with torch.inference_mode():
         for name, prompts in sets.items():
             started = time.time()

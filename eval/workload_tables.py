@@ -34,7 +34,8 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             report = read_json(path)
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row) + " |" for row in rows(report)]
-            parts.append(f"### {name} / {report['checkpoint']} (K={report['k']}, {report['runtime']}, T=0, "
+            parts.append(f"### {name} / {report['checkpoint']} (K={report['k']}{tree_text(report)}, "
+                         f"{report['runtime']}, T=0, "
                          f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']})\n\n"
                          + "\n".join(table) + "\n")
     if not parts:
@@ -50,8 +51,15 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             + "\n".join(parts))
 
 
+def tree_text(report: dict) -> str:
+    """The trees' shape as the report's heading and the console name it ("" where no tree was measured)."""
+    tree = report.get("tree")
+    return ", tree " + " ".join(f"{k} {v}" for k, v in tree.items()) if tree else ""
+
+
 def console_lines(report: dict) -> list[str]:
     """What the workloads stage and the hybrid bench print of a report: where it was measured, then the table."""
-    return [f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}, {report['runtime']}, T=0, "
+    return [f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}{tree_text(report)}, "
+            f"{report['runtime']}, T=0, "
             f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']}; {report['ci']}",
             "  ".join(HEADER), *("  ".join(row) for row in rows(report))]

@@ -38,8 +38,11 @@ def test_pooled_numbers_and_the_reports_table(tmp_path):
     assert table[3][5] == "0%" and table[4][5] == "29%"  # the head's tree; the hybrid tree's lookup share
     assert console_lines(report)[0].startswith("checkpoint step-0000002 of runs/run, K=2, static-bf16, T=0")
     assert console_lines(report)[2:] == ["  ".join(row) for row in table]
+    report["tree"] = {"kind": "dynamic", "depth": 4, "top_k": 3, "total_tokens": 10}
+    assert console_lines(report)[0].startswith("checkpoint step-0000002 of runs/run, K=2, tree kind dynamic depth 4 "
+                                               "top_k 3 total_tokens 10, static-bf16, T=0")
     run = tmp_path / "run"
     write_json_atomic(run / "eval" / "workloads-step-0000002.static-bf16.json", report)
     section = workload_section({"run": run})
-    assert section.startswith("\n## By workload") and "### run / step-0000002 (K=2, static-bf16" in section
+    assert section.startswith("\n## By workload") and "### run / step-0000002 (K=2, tree kind dynamic depth 4 top_k 3 total_tokens 10, static-bf16" in section
     assert "| chat (n=2) | hybrid | 2.46 [" in section and workload_section({"run": tmp_path / "none"}) == ""
