@@ -1,7 +1,7 @@
 """Hybrid bench: the `workloads` stage's measurement (eval/by_workload.py: the head alone, prompt lookup alone and
 their hybrid, per workload, T=0, every decode checked against plain decoding) with eval.num_prompts prompts of each
 workload instead of eval.workload_prompts, on the recipe's last checkpoint (with none, an untrained head, and it says
-so: decode_bench.draft_for), in the recipe's target dtype and eval runtime.
+so: decode_bench.draft_for), in the eval runtime, the target loaded in that runtime's dtype as the eval loads it.
 `make bench ARGS="hybrid [recipe.yaml] [section.key=value ...]"`, e.g.
 `make bench ARGS="hybrid run_name=smollm2-135m-eagle3 eval.num_prompts=8"`, or
 `python -m benchmarks.hybrid_bench [recipe] [section.key=value ...]`; it writes checkpoints/bench/hybrid.json.
@@ -13,12 +13,11 @@ import sys
 
 from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
-from specdistill.eval.by_workload import measure, prompt_sets
-from specdistill.eval.runtime import make_runtime
+from specdistill.eval.by_workload import measure, prompt_sets, target_runtime
 from specdistill.eval.workload_tables import console_lines
 from specdistill.formats import write_json_atomic
 from specdistill.recipe import load_recipe
-from specdistill.target import load_target, load_tokenizer
+from specdistill.target import load_tokenizer
 
 # toy: one prompt per workload, 4 new tokens (it proves the bench runs; tests/test_benchmarks.py)
 TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "run_name=bench-toy"]
@@ -33,8 +32,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     recipe = load_recipe(recipe_path, [*(TOY if toy else []), *overrides])
     tokenizer = load_tokenizer(recipe.target)
     sets = prompt_sets(recipe, tokenizer, recipe.eval.num_prompts)
-    target = load_target(recipe.target, device=devices.resolve(recipe.device))
-    runtime = make_runtime(target, recipe.eval.runtime)
+    target, runtime = target_runtime(recipe, devices.resolve(recipe.device))
     draft, checkpoint, _ = draft_for(recipe, target)
     report = {"checkpoint": checkpoint, "run_dir": str(recipe.run_dir), "num_prompts": recipe.eval.num_prompts,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}

@@ -119,20 +119,26 @@ def pooled(records: list[dict]) -> dict:
     return out
 
 
+def target_runtime(recipe, device):
+    """The target loaded in eval.runtime's dtype (as the eval loads it: an fp32 runtime reads fp32 weights, not bf16
+    ones cast up) and that runtime around it."""
+    name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
+    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
+    return target, make_runtime(target, name)
+
+
 def run(recipe, args=None) -> Path | None:
     n = recipe.eval.workload_prompts
     if n == 0:
         print("workloads: eval.workload_prompts is 0: skipped")
         return None
     step_dir = layout.select_checkpoints(recipe.run_dir, "last")[-1]
-    name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
     device = devices.resolve(recipe.device)
     if short := one_device_shortfall(recipe.target, device):
         raise SpecdistillError(f"workloads: {short}: the stage holds the target on one GPU")
     tokenizer = load_tokenizer(recipe.target)
     sets = prompt_sets(recipe, tokenizer, n)
-    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
-    runtime = make_runtime(target, name)
+    target, runtime = target_runtime(recipe, device)
     draft = kinds.load_draft(step_dir, target)
     report = {"checkpoint": step_dir.name, "run_dir": str(recipe.run_dir), "num_prompts": n,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
