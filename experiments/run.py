@@ -69,14 +69,17 @@ def run_stages(recipe_path: str, stages) -> dict:
 
 
 def run_results(run_dir: Path, seconds: dict) -> dict:
-    """What a pipeline arm keeps: the stages' seconds, training tokens/s, the plan, every eval and served JSON."""
+    """What a pipeline arm keeps: the stages' seconds, training tokens/s, the plan, every eval, workloads and served
+    JSON."""
     steps = read_jsonl(run_dir / "train_log.jsonl")
     plan = layout.plan_path(run_dir)
     # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
     return {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
             "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
             "plan": json.loads(plan.read_text()) if plan.is_file() else None,
-            "eval": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("*.json"))},
+            "eval": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("*.json"))
+                     if not p.name.startswith("workloads-")},
+            "workloads": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("workloads-*.json"))},
             "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))}}
 
 
