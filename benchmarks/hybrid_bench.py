@@ -13,7 +13,8 @@ import sys
 
 from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
-from specdistill.eval.by_workload import measure, prompt_sets, target_runtime
+from specdistill.eval.by_workload import measure, prompt_sets
+from specdistill.eval.runtime import load_runtime
 from specdistill.eval.workload_tables import console_lines
 from specdistill.formats import write_json_atomic
 from specdistill.recipe import load_recipe
@@ -32,7 +33,7 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[
     recipe = load_recipe(recipe_path, [*(TOY if toy else []), *overrides])
     tokenizer = load_tokenizer(recipe.target)
     sets = prompt_sets(recipe, tokenizer, recipe.eval.num_prompts)
-    target, runtime = target_runtime(recipe, devices.resolve(recipe.device))
+    target, runtime = load_runtime(recipe.target, recipe.eval.runtime, devices.resolve(recipe.device))
     draft, checkpoint, _ = draft_for(recipe, target)
     report = {"checkpoint": checkpoint, "run_dir": str(recipe.run_dir), "num_prompts": recipe.eval.num_prompts,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}

@@ -28,13 +28,13 @@ from specdistill.decoding.lookup import PromptLookup
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids, make_drafter, merge_counts
 from specdistill.eval.prompts import load_prompts
-from specdistill.eval.runtime import StaticRuntime, make_runtime, parse_runtime, resolve_runtime_name
+from specdistill.eval.runtime import StaticRuntime, load_runtime
 from specdistill.eval.summary import CI_NOTE, bootstrap_per_prompt, per_prompt
 from specdistill.eval.tree import TreeDecoder
 from specdistill.eval.workload_tables import DRAFTERS, console_lines
 from specdistill.eval.workloads import BUDGET, SOURCES, WORKLOADS, code_source, load_workload
 from specdistill.formats import write_json_atomic
-from specdistill.target import load_target, load_target_config, load_tokenizer, one_device_shortfall, vocab_size_of
+from specdistill.target import load_tokenizer, one_device_shortfall, vocab_size_of
 
 
 
@@ -119,14 +119,6 @@ def pooled(records: list[dict]) -> dict:
     return out
 
 
-def target_runtime(recipe, device):
-    """The target loaded in eval.runtime's dtype (as the eval loads it: an fp32 runtime reads fp32 weights, not bf16
-    ones cast up) and that runtime around it."""
-    name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
-    target = load_target(recipe.target.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
-    return target, make_runtime(target, name)
-
-
 def run(recipe, args=None) -> Path | None:
     n = recipe.eval.workload_prompts
     if n == 0:
@@ -138,11 +130,11 @@ def run(recipe, args=None) -> Path | None:
         raise SpecdistillError(f"workloads: {short}: the stage holds the target on one GPU")
     tokenizer = load_tokenizer(recipe.target)
     sets = prompt_sets(recipe, tokenizer, n)
-    target, runtime = target_runtime(recipe, device)
+    target, runtime = load_runtime(recipe.target, recipe.eval.runtime, device)
     draft = kinds.load_draft(step_dir, target)
     report = {"checkpoint": step_dir.name, "run_dir": str(recipe.run_dir), "num_prompts": n,
               **measure(recipe, sets, runtime, target, tokenizer, draft)}
-    out = layout.eval_dir(recipe.run_dir) / f"workloads-{step_dir.name}.{runtime.name}.json"
+    out = layout.workloads_result(recipe.run_dir, step_dir.name, runtime.name)
     write_json_atomic(out, report)
     print("\n".join(console_lines(report)))
     print(f"wrote {out}")

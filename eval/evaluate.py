@@ -31,7 +31,7 @@ from specdistill.eval.prompts import load_prompts, load_tuning_prompts
 from specdistill.eval.reference import (divergences, fp32_reference_model, fp32_reference_skipped,
                                         judge_against_reference, transformers_greedy)
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
-from specdistill.eval.runtime import make_runtime, parse_runtime, resolve_runtime_name
+from specdistill.eval.runtime import load_runtime, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
 from specdistill.eval.tables import FP32_PLAIN, summary_lines
 from specdistill.eval.tree import TreeDecoder
@@ -315,8 +315,6 @@ def run(recipe, args) -> list[Path]:
     steps = layout.select_checkpoints(recipe.run_dir, which)
     for step_dir in steps:  # before minutes of loading: a corrupt checkpoint is refused with one line
         integrity.check_checkpoint(step_dir, only=DRAFT_FILES)
-    # loaded straight in the runtime's dtype: target.dtype is what the cache pass ran in, and a bf16 load
-    # cast up to fp32 would not be the fp32 target
     name = resolve_runtime_name(recipe.eval.runtime, load_target_config(recipe.target))
     family, dtype = parse_runtime(name)
     device = devices.resolve(recipe.device)
@@ -326,8 +324,7 @@ def run(recipe, args) -> list[Path]:
                                "it over several)")
     if (processes := spread.process_count(recipe, device, len(steps))) > 1:  # one process per GPU (eval/spread.py)
         return spread.spread(recipe, steps, processes, device, name)
-    target = load_target(recipe.target.model_copy(update={"dtype": dtype}), device=device)
-    runtime = make_runtime(target, name)  # the target and every decoder of it run in its dtype
+    target, runtime = load_runtime(recipe.target, name, device)  # the target and every decoder of it run in its dtype
     tokenizer = load_tokenizer(recipe.target)
     prompts = load_prompts(recipe.eval, tokenizer)
     reference, reference_model, reference_skipped = None, None, None

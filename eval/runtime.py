@@ -36,7 +36,7 @@ from specdistill.decoding.kv import SlotCache, additive, chain_mask, crop_cache,
 from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime_names import (  # noqa: F401  (parse_runtime, resolve_runtime_name: imported from here)
     STATIC_MODEL_TYPES, parse_runtime, resolve_runtime_name, runtime_name, static_supports)
-from specdistill.target import DTYPES
+from specdistill.target import DTYPES, load_target, load_target_config
 
 # Forwards of at most this many new tokens (decode steps, verifies, trees) run compiled; longer ones are
 # prefills, whose length differs per prompt, and run eagerly rather than compile a graph per prompt.
@@ -55,6 +55,14 @@ def make_runtime(model, name: str):
                                    f"use eager-{name.split('-')[1]}")
         return StaticRuntime(model, name, compiled=family == "compiled")
     return EagerRuntime(model, name)
+
+
+def load_runtime(target_cfg, name: str, device):
+    """The target loaded straight in runtime `name`'s dtype (`auto` resolved) and the runtime around it: target.dtype
+    is what the cache pass ran in, and a bf16 load cast up to fp32 would not be the fp32 target."""
+    name = resolve_runtime_name(name, load_target_config(target_cfg))
+    target = load_target(target_cfg.model_copy(update={"dtype": parse_runtime(name)[1]}), device=device)
+    return target, make_runtime(target, name)
 
 
 class EagerRuntime:

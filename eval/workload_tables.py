@@ -30,7 +30,7 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
     """The report's table of every run's workloads result (eval/workloads-*.json), or nothing where none is."""
     parts = []
     for name, run_dir in run_dirs.items():
-        for path in sorted(layout.eval_dir(run_dir).glob("workloads-*.json")):
+        for path in layout.workloads_results(run_dir):
             report = read_json(path)
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row) + " |" for row in rows(report)]

@@ -73,13 +73,14 @@ def run_results(run_dir: Path, seconds: dict) -> dict:
     JSON."""
     steps = read_jsonl(run_dir / "train_log.jsonl")
     plan = layout.plan_path(run_dir)
+    workloads = layout.workloads_results(run_dir)  # in eval/ beside the eval results, kept apart from them
     # tokens/s: the median step of the second half (start-up, compilation and warm caches behind it)
     return {"stage_seconds": seconds,  # a stage another arm already did (a shared cache) is ~0
             "train_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[len(steps) // 2:]),
             "plan": json.loads(plan.read_text()) if plan.is_file() else None,
-            "eval": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("*.json"))
-                     if not p.name.startswith("workloads-")},
-            "workloads": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("workloads-*.json"))},
+            "eval": {p.name: json.loads(p.read_text()) for p in sorted(layout.eval_dir(run_dir).glob("*.json"))
+                     if p not in workloads},
+            "workloads": {p.name: json.loads(p.read_text()) for p in workloads},
             "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))}}
 
 

@@ -146,6 +146,16 @@ def eval_results(run_dir: Path, eval_cfg, runtime: str) -> list[Path]:
     return sorted(p for p in eval_dir(run_dir).glob(f"*{suffix}") if "." not in p.name[:-len(suffix)])
 
 
+def workloads_result(run_dir: Path, checkpoint: str, runtime: str) -> Path:
+    """`specdistill workloads`' result for a checkpoint in a runtime: eval/workloads-<checkpoint>.<runtime>.json."""
+    return eval_dir(run_dir) / f"workloads-{checkpoint}.{runtime}.json"
+
+
+def workloads_results(run_dir: Path) -> list[Path]:
+    """Every `workloads_result` of a run, by name (beside the eval results in eval/, never one of them)."""
+    return sorted(eval_dir(run_dir).glob("workloads-*.json"))
+
+
 def served_dir(run_dir: Path) -> Path:
     """`specdistill served`: <checkpoint>.json (what vLLM measured) and <checkpoint>/ (one job, result, log per engine)."""
     return run_dir / "served"
