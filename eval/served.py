@@ -12,8 +12,11 @@ Served tau and alpha come from vLLM's own counters (drafts, accepted tokens, acc
 definitions of docs (metrics): tau = tokens / verification steps, alpha_at[i] = accepted at depth i / reached
 depth i. They are set beside what `specdistill eval` measured with our engine for the same checkpoint and K.
 Parity is a gate: a head is fit to deploy when every draft tensor was loaded (vLLM does not check this
-itself), vLLM's speculative output equals vLLM's plain output at T=0, and served tau lies inside the 95%
-interval of ours at every temperature. The verdict goes into served/<checkpoint>.json, the export's
+itself), vLLM's speculative output equals vLLM's plain output at T=0, and at every temperature the 95%
+interval of served tau minus ours, prompts resampled in pairs (the same prompts decoded by both), holds 0.
+An older eval result without per-prompt counts falls back to served tau inside our interval: a test of one
+point against one interval, which a drafter identical in both fails by chance (a 0.002 miss happened).
+The verdict goes into served/<checkpoint>.json, the export's
 README and report.md.
 
 Writes checkpoints/<run>/served/<checkpoint>.json (+ one vLLM log per engine).
@@ -149,6 +152,21 @@ def bootstrap(prompts: list[dict], base: list[dict] | None, samples: int = 2000,
             "alpha_at_ci95": [interval([a[i] for a in alphas]) for i in range(depth)]}
 
 
+def paired_tau_gap_ci95(served: list[dict], ours: list[dict], samples: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of served tau - our tau, pooled over the same resampled prompts in both: prompt i
+    of vLLM's run and of ours (per_prompt: tokens, steps) move together, so what a prompt makes easy or hard
+    cancels and the interval is of the difference, not of either alone."""
+    rng, n, gaps = random.Random(seed), len(served), []
+    for _ in range(samples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        s = served_counts([served[i] for i in idx])["tau"]
+        steps = sum(ours[i]["steps"] for i in idx)
+        if s is not None and steps:
+            gaps.append(s - sum(ours[i]["tokens"] for i in idx) / steps)
+    gaps.sort()
+    return [gaps[int(0.025 * (len(gaps) - 1))], gaps[int(round(0.975 * (len(gaps) - 1)))]] if gaps else [0.0, 0.0]
+
+
 def ours_at(result: dict | None, temperature: float, k: int) -> dict | None:
     """`specdistill eval`'s numbers for this checkpoint at T and K (alpha per depth only where K was its main K)."""
     for r in (result or {}).get("results", []):
@@ -157,8 +175,9 @@ def ours_at(result: dict | None, temperature: float, k: int) -> dict | None:
             ci = ((r.get("ci95_by_k") or {}).get(str(k)) or {}).get("tau_ci95")
             if tau is None:
                 return None
-            main = int(result.get("k", -1)) == k
+            main = int(result.get("k", -1)) == k  # alpha per depth and per-prompt counts are the main K's
             return {"tau": tau, "tau_ci95": ci, "alpha_at": r.get("alpha_at") if main else None,
+                    "per_prompt": r.get("per_prompt") if main else None,
                     "speedup": (r.get("speedup_by_k") or {}).get(str(k)), "lossless": r.get("lossless")}
     return None
 
@@ -181,9 +200,14 @@ def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict
                 row["divergences"] = divergences(prompts, base)
         o = ours_at(ours, t, k) if ours is not None else None
         if o is not None and c["tau"] is not None:
+            per_prompt = o.pop("per_prompt")
             row["ours"] = o
             row["tau_gap"] = c["tau"] - o["tau"]
-            row["tau_inside_ours"] = bool(o["tau_ci95"] and o["tau_ci95"][0] <= c["tau"] <= o["tau_ci95"][1])
+            if per_prompt and len(per_prompt) == len(prompts):
+                row["tau_gap_ci95"] = paired_tau_gap_ci95(prompts, per_prompt)
+                row["tau_parity"] = row["tau_gap_ci95"][0] <= 0.0 <= row["tau_gap_ci95"][1]
+            else:  # an eval result without per-prompt counts at this K: served tau inside our interval
+                row["tau_parity"] = bool(o["tau_ci95"] and o["tau_ci95"][0] <= c["tau"] <= o["tau_ci95"][1])
             if o["alpha_at"]:
                 gaps = [a - b for a, b in zip(c["alpha_at"], o["alpha_at"])]
                 row["alpha_at_gap"] = gaps
@@ -233,9 +257,11 @@ def verdict(entry: dict, headless: list[dict] = ()) -> tuple[bool, list[str]]:
     for r in entry["results"]:
         if r.get("lossless") is False and not headless_divergence(headless, r["temperature"]):
             why.append(f"T={r['temperature']:g}: vLLM's speculative output differs from vLLM's plain output")
-        if "tau_inside_ours" in r and not r["tau_inside_ours"]:
-            ci = r["ours"]["tau_ci95"]
-            why.append(f"T={r['temperature']:g}: served tau {r['tau']:.3f} outside ours {r['ours']['tau']:.3f} "
+        if r.get("tau_parity") is False:
+            ci, gap = r["ours"]["tau_ci95"], r.get("tau_gap_ci95")
+            why.append(f"T={r['temperature']:g}: served tau {r['tau']:.3f} against ours {r['ours']['tau']:.3f}: "
+                       f"the gap's interval [{gap[0]:+.3f}, {gap[1]:+.3f}] (prompts paired) leaves 0" if gap else
+                       f"T={r['temperature']:g}: served tau {r['tau']:.3f} outside ours {r['ours']['tau']:.3f} "
                        f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"T={r['temperature']:g}: no interval of ours")
         if "ours" not in r:
             why.append(f"T={r['temperature']:g}: no `specdistill eval` result of ours at this K to compare with")

@@ -25,7 +25,7 @@ def verdict_lines(record: dict) -> list[str]:
             gap = f", served τ {t0['tau']:.3f} vs ours {t0['ours']['tau']:.3f} at T=0" if t0 and "ours" in t0 else ""
             lossless = e.get("vllm_own_divergence") or "lossless at T=0"
             lines.append(f"- served by vLLM {record.get('vllm_version')}: `{e['name']}` fit to deploy (every tensor "
-                         f"loaded, τ inside our interval{gap}; {lossless})")
+                         f"loaded, τ at parity with ours{gap}; {lossless})")
         else:
             lines.append(f"- ⚠ served by vLLM {record.get('vllm_version')}: `{e['name']}` NOT fit to deploy: "
                          + "; ".join(e["not_fit_because"]))
@@ -60,7 +60,7 @@ def served_rows(record: dict) -> list[list[str]]:
             lossless = {True: "yes", False: "NO", None: "(T>0: sampled)"}[r.get("lossless")]
             rows.append([e["name"], f"{r['temperature']:g}", f"{_num(r['tau'])} {_ci(r.get('tau_ci95'))}",
                          f"{_num(ours.get('tau'))} {_ci(ours.get('tau_ci95'))}" if ours else "",
-                         f"{r['tau_gap']:+.3f}" if "tau_gap" in r else "", alpha, lossless,
+                         (f"{r['tau_gap']:+.3f} " + _ci(r.get("tau_gap_ci95"))).strip() if "tau_gap" in r else "", alpha, lossless,
                          f"{r['tokens_per_s']:.1f}", f"{_num(r.get('speedup'), 2)} {_ci(r.get('speedup_ci95'))}"])
     return rows
 

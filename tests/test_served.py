@@ -171,6 +171,27 @@ def test_parity_gate_passes_inside_our_interval_and_fails_outside():
     assert served.verdict(changed)[1] == ["T=0: vLLM's speculative output differs from vLLM's plain output"]
 
 
+def test_parity_gate_pairs_prompts_so_a_drafter_equal_in_both_passes_and_a_better_one_fails():
+    """T>0: vLLM's run and ours are two samples on the same prompts. Served tau is noisy too, so a point tested
+    against our interval alone fails identical drafters by chance (here ours is exactly 1.50 on every prompt,
+    an interval of zero width, and served 1.55 by noise); the gap's interval over paired prompts holds 0.
+    A served head that accepts more on every prompt leaves it."""
+    ours_t1 = ours(1.5, [1.5, 1.5])
+    ours_t1["results"][0].update(temperature=1.0, per_prompt=[{"tokens": 30, "steps": 20}] * 8)
+    plain = worker_output([(0, [])] * 8, temperature=1.0)
+    tensors = {"not_loaded": {}, "dropped": [], "shared_with_target": []}
+    noisy = served.compare(worker_output([(20, [10 + d]) for d in [4, -2] * 4], temperature=1.0), plain, ours_t1, 2)
+    noisy.update(tensors=tensors)
+    row = noisy["results"][0]
+    assert row["tau"] == pytest.approx(1.55) and row["tau_gap_ci95"][0] < 0 < row["tau_gap_ci95"][1]
+    assert served.verdict(noisy) == (True, [])
+    better = served.compare(worker_output([(20, [10 + d]) for d in [4, 3] * 4], temperature=1.0), plain, ours_t1, 2)
+    better.update(tensors=tensors)
+    fit, why = served.verdict(better)
+    assert not fit and why == ["T=1: served tau 1.675 against ours 1.500: the gap's interval [+0.156, +0.194] "
+                               "(prompts paired) leaves 0"]
+
+
 def test_a_t0_divergence_that_vllms_headless_methods_share_is_vllms_not_the_heads():
     """At T=0 a draft only decides which positions vLLM verifies together, never which token the target emits:
     when vLLM's ngram (no head of ours) leaves vLLM's plain output in the same run too, the head stays fit to
