@@ -52,7 +52,7 @@ def comparator_report(comp: dict, result: dict, reference: list[list[int]] | Non
     return report
 
 
-def comparators_note(cfg, runtime, fp32_plain: bool, with_comparators: bool, comparators: dict) -> str:
+def comparators_note(cfg, runtime, other_plain: str | None, with_comparators: bool, comparators: dict) -> str:
     """What the comparators are, or why they were not measured."""
     if not cfg.comparators:
         return "skipped (eval.comparators: false)"
@@ -63,7 +63,10 @@ def comparators_note(cfg, runtime, fp32_plain: bool, with_comparators: bool, com
     note = (f"transformers decoders, greedy (T=0), same prompts and max_new_tokens, on the same weights "
             f"in the same dtype ({str(runtime.dtype).removeprefix('torch.')}) through transformers' own "
             f"forward and DynamicCache (the closest configuration to our {runtime.name}); speedup vs our baseline")
-    if fp32_plain:
+    if other_plain == FP32_PLAIN:
         note += (f"; {FP32_PLAIN}: our own plain decoding in float32, from the float32 weights on disk (a float32 "
                  "forward of one token can be the faster one)")
+    elif other_plain:
+        note += (f"; {other_plain}: our own plain decoding in bfloat16, from a bfloat16 load of the weights on disk "
+                 "(where the CPU computes bf16 natively it can be the faster one)")
     return note

@@ -7,7 +7,7 @@ checkpoints/<run>/eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_res
 in another runtime writes its own file; format in the module's `assemble_report`).
 
 `evaluate_checkpoint` measures one checkpoint's draft (a kinds.LoadedDraft) with what the run shares (`EvalRun`):
-its decoders built (`build_decoders`, `add_fp32_plain`), the reference resolved (`resolved`), each temperature
+its decoders built (`build_decoders`, `add_other_plain`), the reference resolved (`resolved`), each temperature
 decoded and summarised (`at_temperature`; the comparisons in eval/comparison.py), the offline predictions
 (`offline_numbers`), the report assembled (`assemble_report`).
 """
@@ -33,7 +33,7 @@ from specdistill.eval.reference import (divergences, fp32_reference_model, fp32_
 from specdistill.eval.results import checkpoint_tokens_seen, eval_settings, heldout_metrics, run_key
 from specdistill.eval.runtime import load_runtime, make_runtime, parse_runtime, resolve_runtime_name
 from specdistill.eval.summary import best_k, measure_costs, speedup_over, summarise_temperature, summarise_tree
-from specdistill.eval.tables import FP32_PLAIN, summary_lines
+from specdistill.eval.tables import BF16_PLAIN, FP32_PLAIN, summary_lines
 from specdistill.eval.tree import TreeDecoder
 from specdistill.errors import SpecdistillError
 from specdistill.formats import DRAFT_FILES, checkpoint_fingerprint, write_eval
@@ -65,9 +65,9 @@ class Decoders:
     tree: TreeDecoder | None
     eos: set[int]
     pad_id: int
-    # our plain decoding in static-fp32 beside a bf16 runtime's (T=0, with the comparators): a 1-token fp32
-    # forward can be the faster one (docs/DESIGN.md, "comparators")
-    fp32_plain: SpeculativeDecoder | None = None
+    # (name, decoder): our plain decoding in the static runtime's other dtype (T=0, with the comparators), fp32
+    # beside bf16 and bf16 beside fp32: which is faster depends on the CPU (docs/DESIGN.md, "comparators")
+    other_plain: tuple[str, SpeculativeDecoder] | None = None
 
 
 def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, comparator_names, label=""):
@@ -78,15 +78,15 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
     baseline, chain, tree = decoders.baseline, decoders.chain, decoders.tree
     ks = [eval_cfg.k] + sorted({k for k in eval_cfg.k_sweep if k != eval_cfg.k})
     base_runs, spec_runs, tree_runs = [], {k: [] for k in ks}, []
-    fp32_plain = decoders.fp32_plain if comparator_names and temperature == 0 else None
+    other = decoders.other_plain if comparator_names and temperature == 0 else None
     comp = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "per_prompt": []}
-            for name in [*comparator_names, *([FP32_PLAIN] if fp32_plain is not None else [])]}
+            for name in [*comparator_names, *([other[0]] if other is not None else [])]}
     dev = decoders.target.device
 
     def generator(seed):  # the same seed for every decoder of a prompt, on the device it samples on
         return devices.generator(dev, seed)
     if prompts:
-        warm_up([baseline, chain, tree if temperature == 0 else None, fp32_plain], prompts[0].ids, temperature, dev)
+        warm_up([baseline, chain, tree if temperature == 0 else None, other and other[1]], prompts[0].ids, temperature, dev)
     for i, prompt in enumerate(tqdm(prompts, desc=f"{label} T={temperature:g}", unit="prompt", leave=False)):
         seed = eval_cfg.seed + i
         base_first = i % 2 == 0
@@ -103,9 +103,9 @@ def evaluate_temperature(decoders: Decoders, prompts, eval_cfg, temperature, com
             timed.append((name, *comparators.run_comparator(name, decoders.target, prompt.ids, eval_cfg.max_new_tokens,
                                                             decoders.eos, decoders.pad_id, draft=decoders.draft,
                                                             k=eval_cfg.k)))
-        if fp32_plain is not None:
-            run = fp32_plain.decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed))
-            timed.append((FP32_PLAIN, run.tokens, run.total_s))
+        if other is not None:
+            run = other[1].decode(prompt.ids, eval_cfg.max_new_tokens, temperature, generator(seed))
+            timed.append((other[0], run.tokens, run.total_s))
         for name, tokens, seconds in timed:
             comp[name]["tokens"] += len(tokens)
             comp[name]["seconds"] += seconds
@@ -168,13 +168,21 @@ def resolved(run: EvalRun, runtime) -> EvalRun:
     return replace(run, runtime=runtime, reference_model=model, reference_skipped=skipped)
 
 
-def add_fp32_plain(decoders: Decoders, run: EvalRun, comparator_names: list[str]) -> None:
-    """Beside a reduced-precision static runtime's comparators, our plain decoding in static-fp32 from the float32
-    reference's weights."""
+def add_other_plain(decoders: Decoders, run: EvalRun, comparator_names: list[str]) -> None:
+    """Beside a static runtime's comparators, our plain decoding in its other dtype: static-fp32 from the float32
+    reference's weights beside a reduced-precision runtime; static-bf16 from a bf16 load of the target beside
+    static-fp32 where bf16 is native (the plan may choose fp32 where it verifies faster: specdistill/plan_stage.py),
+    so the fastest plain decoding is timed whichever the eval runs in."""
     family, dtype = parse_runtime(run.runtime.name)
-    if comparator_names and family == "static" and dtype != "float32" and run.reference_model is not None:
-        decoders.fp32_plain = SpeculativeDecoder(make_runtime(run.reference_model, "static-fp32"), None,
-                                                 eos_ids=decoders.eos)
+    if not comparator_names or family != "static":
+        return
+    if dtype != "float32" and run.reference_model is not None:
+        decoders.other_plain = (FP32_PLAIN, SpeculativeDecoder(make_runtime(run.reference_model, "static-fp32"), None,
+                                                               eos_ids=decoders.eos))
+    elif dtype == "float32" and devices.native_bf16(run.target.device):
+        bf16 = load_target(run.recipe.target.model_copy(update={"dtype": "bfloat16"}), device=run.target.device)
+        decoders.other_plain = (BF16_PLAIN, SpeculativeDecoder(make_runtime(bf16, "static-bf16"), None,
+                                                               eos_ids=decoders.eos))
 
 
 def check_exactness(runtime, prompts, ks: list[int]) -> dict | None:
@@ -296,7 +304,7 @@ def evaluate_checkpoint(run: EvalRun, draft: kinds.LoadedDraft, checkpoint: str,
     wanted = comparators.comparator_names(draft.module) if cfg.comparators and with_comparators else []
     decoders = build_decoders(run, draft, runtime)
     run = resolved(run, runtime)
-    add_fp32_plain(decoders, run, wanted)
+    add_other_plain(decoders, run, wanted)
     tree = decoders.tree
     ks = [cfg.k, *cfg.k_sweep, *([tree.shape.verified_tokens - 1] if tree is not None else [])]
     checks = {"exactness": check_exactness(runtime, run.prompts, ks),
@@ -305,7 +313,8 @@ def evaluate_checkpoint(run: EvalRun, draft: kinds.LoadedDraft, checkpoint: str,
     measured = Measured()
     for temperature in run.recipe.temperatures:
         at_temperature(run, decoders, temperature, wanted, checks["costs"], tuning, measured, checkpoint)
-    note = comparators_note(cfg, runtime, decoders.fp32_plain is not None, with_comparators, measured.comparators)
+    note = comparators_note(cfg, runtime, decoders.other_plain and decoders.other_plain[0], with_comparators,
+                            measured.comparators)
     offline, coverage = offline_numbers(run, draft, decoders, heldout, measured)
     return assemble_report(run, draft, checkpoint, step, fingerprint, checks, measured, note, offline, coverage)
 

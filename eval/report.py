@@ -327,7 +327,7 @@ Reproduce:
 Offline metrics on the held-out split and on the eval prompts (`—`: not measured). Measured α, τ and
 speedup come from real speculative decoding; speedup is a ratio to plain autoregressive decoding of the
 same target measured in the same run; speedup vs fastest plain = over the fastest of our plain decoding and the plain
-comparators (`hf_generate`, `plain_static-fp32`) timed for that checkpoint and temperature, `not timed` where only
+comparators (`hf_generate`, `plain_static-fp32` or `plain_static-bf16`) timed for that checkpoint and temperature, `not timed` where only
 ours was (they run at T=0, with the last checkpoint); lossless = token-identical to our own plain greedy decoding and
 ("vs generate()") to transformers' greedy `generate()` (T=0), or a passed distribution test (T>0).
 Compare like with like: the offline top-1 and predicted α are teacher-forced *first-draft* numbers, so

@@ -38,6 +38,11 @@ from specdistill.eval.runtime_names import (  # noqa: F401  (parse_runtime, reso
     STATIC_MODEL_TYPES, parse_runtime, resolve_runtime_name, runtime_name, static_supports)
 from specdistill.target import DTYPES, load_target, load_target_config
 
+# `auto`'s candidates on a CPU with native bf16, timed by the plan (specdistill/plan_stage.py): which verifies
+# faster depends on the CPU (bf16 on the AVX-512 EPYC, fp32 on both Intel Xeons measured, experiments/README.md)
+STATIC_CANDIDATES = ("static-bf16", "static-fp32")
+VERIFY_MARGIN = 0.95  # fp32 is chosen over the default only where its verify costs at most this share of bf16's
+
 # Forwards of at most this many new tokens (decode steps, verifies, trees) run compiled; longer ones are
 # prefills, whose length differs per prompt, and run eagerly rather than compile a graph per prompt.
 COMPILE_MAX_TOKENS = 64
@@ -227,3 +232,23 @@ def forward_costs(runtime, ids: torch.Tensor, sizes, repeats: int = 7) -> dict[s
                 runtime.crop(past)
             costs[str(m)] = 1000 * statistics.median(times[1:])
     return costs
+
+
+def verify_costs(target_cfg, device, k: int, repeats: int = 9) -> dict[str, dict[str, float]]:
+    """Per static candidate: median ms of a 1-token forward (plain decoding's step) and of a K+1-token verify
+    (speculative decoding's), after a 128-token prefix. Which tokens does not change the cost."""
+    out = {}
+    for name in STATIC_CANDIDATES:
+        target, runtime = load_runtime(target_cfg, name, device)
+        ids = torch.arange(128 + k + 1, device=runtime.device) * 7 % target.config.vocab_size
+        out[name] = forward_costs(runtime, ids, [1, k + 1], repeats)
+        del target, runtime
+    return out
+
+
+def fastest_verify(costs: dict[str, dict[str, float]], k: int) -> str:
+    """The candidate that verifies K+1 tokens fastest: a speculative step's cost is its verify plus K draft steps
+    (a few percent of it), and tau does not depend on the dtype, so this runtime decodes speculatively fastest.
+    static-bf16 (`auto`'s default) unless fp32's verify is cheaper by the margin."""
+    bf16, fp32 = (costs[name][str(k + 1)] for name in STATIC_CANDIDATES)
+    return STATIC_CANDIDATES[1] if fp32 <= VERIFY_MARGIN * bf16 else STATIC_CANDIDATES[0]

@@ -7,8 +7,9 @@ from specdistill.metrics import OFFLINE_KEYS, leviathan_tau
 
 
 COMPARATORS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
-FP32_PLAIN = "plain_static-fp32"  # the comparator decoding plainly in our static runtime in fp32
-PLAIN_COMPARATORS = ("hf_generate", FP32_PLAIN)  # the comparators that decode plainly (no drafts): candidates for the fastest
+FP32_PLAIN = "plain_static-fp32"  # the comparator decoding plainly in our static runtime in fp32 (beside bf16)
+BF16_PLAIN = "plain_static-bf16"  # ... in bf16, beside an fp32 runtime where bf16 is native
+PLAIN_COMPARATORS = ("hf_generate", FP32_PLAIN, BF16_PLAIN)  # the comparators that decode plainly (no drafts): candidates for the fastest
 FAMILY_TEXT = {"static": "our static runtime", "eager": "our engine on transformers' forward",
                "compiled": "our static runtime under torch.compile"}
 NOT_TIMED = "not timed"
@@ -51,14 +52,14 @@ def runtime_text(runtime: str | None) -> str:
 
 
 def plain_text(e: dict, name: str) -> str:
-    """What a plain decoder of a result is, in words: ours, transformers' generate(), our static-fp32."""
+    """What a plain decoder of a result is, in words: ours, transformers' generate(), our static runtime's other dtype."""
     dtype = str(e.get("runtime") or "").partition("-")[2]
     if name == "ours":
         return f"our own plain decoding ({runtime_text(e.get('runtime'))})"
     if name == "hf_generate":
         return f"transformers generate(){f' in {dtype}' if dtype else ''}"
-    if name == FP32_PLAIN:
-        return "our own plain decoding in our static runtime in fp32"
+    if name in (FP32_PLAIN, BF16_PLAIN):
+        return f"our own plain decoding in our static runtime in {name.rpartition('-')[2]}"
     return name
 
 

@@ -6,7 +6,9 @@ it runs prepare, cache, train, eval (twice, at two decode lengths), workloads (o
 a few rows in a scratch
 run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows and train.max_steps down together
 (never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits.
-On a CPU without native bf16 it also moves the run to fp32. It writes <run_dir>/plan.json; every later stage of
+On a CPU without native bf16 it also moves the run to fp32; on a CPU with it and `eval.runtime: auto`, it first times a
+K+1-token verify in static-bf16 and static-fp32 (eval/runtime.py `verify_costs`) and moves the eval to fp32 where
+that verifies faster (both Intel Xeons measured: their bf16 forwards cost more than fp32's). It writes <run_dir>/plan.json; every later stage of
 the run applies its overrides (recipe._with_plan), the CLI prints the time left after each stage, and the eval
 result carries the plan. The served stage is not probed (a vLLM start-up alone is minutes): its estimate is the
 per-engine start-up measured in experiments/served-parity plus the decode at twice our plain tokens/s.
@@ -24,9 +26,11 @@ import time
 from specdistill import device as devices
 from specdistill import layout
 from specdistill.errors import SpecdistillError
+from specdistill.eval.runtime import fastest_verify, static_supports, verify_costs
 from specdistill.formats import read_jsonl
 from specdistill.plan import format_plan
 from specdistill.recipe import load_recipe, plan_key
+from specdistill.target import load_target_config
 from specdistill.stages import STAGES
 
 PROBE_ROWS = 96
@@ -52,6 +56,16 @@ def fp32_overrides(recipe, device) -> list[str]:
         family = "static" if recipe.eval.runtime == "auto" else recipe.eval.runtime.split("-")[0]
         moves.append(f"eval.runtime={family}-fp32")
     return moves
+
+
+def runtime_overrides(recipe, device) -> tuple[list[str], dict | None]:
+    """`eval.runtime: auto` on a CPU with native bf16: the static dtype that verifies faster here (its override,
+    where it is not auto's static-bf16) and the costs measured."""
+    if device.type != "cpu" or recipe.eval.runtime != "auto" or not static_supports(load_target_config(recipe.target)):
+        return [], None
+    costs = verify_costs(recipe.target, device, recipe.eval.k)
+    chosen = fastest_verify(costs, recipe.eval.k)
+    return ([] if chosen == "static-bf16" else [f"eval.runtime={chosen}"]), costs
 
 
 def timed(stage: str, source: str, overrides: list[str], **args) -> tuple[float, object]:
@@ -201,11 +215,19 @@ def run(recipe, args) -> dict | None:
     plan_file.unlink(missing_ok=True)  # a stale plan must not size this one's probe
     device = devices.resolve(recipe.device)
     moves = fp32_overrides(recipe, device)
-    overrides = [*getattr(args, "overrides", []), *moves]
-    planned = load_recipe(recipe.source, overrides)
     print(f"plan: probing this machine ({devices.cpu_isa() if device.type == 'cpu' else device}) at {PROBE_ROWS} "
           f"rows and {PROBE_STEPS} steps" + (f"; no native bf16 here, so {', '.join(moves)}" if moves else ""))
+    runtime_moves, runtime_ms = runtime_overrides(recipe, device) if not moves else ([], None)
+    if runtime_ms:
+        k = str(recipe.eval.k + 1)
+        print(f"plan: a {k}-token verify takes " + ", ".join(f"{ms[k]:.1f} ms in {name}" for name, ms in
+              runtime_ms.items()) + f" here: the eval decodes in {fastest_verify(runtime_ms, recipe.eval.k)}")
+    moves += runtime_moves
+    overrides = [*getattr(args, "overrides", []), *moves]
+    planned = load_recipe(recipe.source, overrides)
     m = probe(planned, overrides)
+    if runtime_ms:
+        m["verify_ms"] = runtime_ms
     spent = time.time() - t0
     scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
     stages = {"plan": spent, **estimate(planned, m, scale)}

@@ -189,7 +189,8 @@ class EvalConfig(Section):
     runtime: str = Field("auto", description="how the target runs while decoding (eval/runtime.py): eager-fp32, "
                          "eager-bf16, static-fp32, static-bf16, compiled-fp32, compiled-bf16 (the static runtime "
                          "under torch.compile), or auto = static-bf16 where the static runtime "
-                         "supports the architecture, else eager-bf16; the baseline, the drafts and the "
+                         "supports the architecture, else eager-bf16 (with budget_minutes on a CPU, the plan times a "
+                         "verify in static-bf16 and static-fp32 and takes the faster); the baseline, the drafts and the "
                          "comparators all run in it")
     fp32_reference: Literal["auto"] | bool = Field(
         "auto", description="at T=0, a float32 copy of the target (4 bytes per parameter, beside the target) judges "

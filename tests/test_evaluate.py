@@ -140,6 +140,25 @@ def test_eval_stage_end_to_end(setup, capsys):
     assert not list(written[0].parent.glob("*.tmp"))
 
 
+def test_an_fp32_eval_times_plain_bf16_beside_it_where_bf16_is_native(setup):
+    """The plan may move the eval to static-fp32 where it verifies faster; plain bf16 is then timed beside it, so
+    the speedup over the fastest plain decoding still compares both dtypes (and the fp32 target is its own
+    reference: no plain_static-fp32 comparator)."""
+    from specdistill import device as devices
+
+    if not devices.native_bf16("cpu"):
+        pytest.skip("bf16 is emulated on this CPU: an fp32 eval times no bf16 plain decoding")
+    recipe, target = setup
+    recipe.eval.temperature, recipe.eval.k_sweep, recipe.eval.runtime = [0], [], "static-fp32"
+    write_eagle_checkpoint(recipe, target, 1)
+    report = json.loads(evaluate.run(recipe, argparse.Namespace(checkpoint="last"))[0].read_text())
+    assert report["runtime"] == "static-fp32"
+    assert set(report["comparators"]) == {"hf_generate", "hf_prompt_lookup", "plain_static-bf16"}
+    greedy = report["results"][0]
+    assert greedy["plain_timed"] == ["ours", "hf_generate", "plain_static-bf16"]
+    assert "plain_static-bf16: our own plain decoding in bfloat16" in report["comparators_note"]
+
+
 def test_a_second_eval_on_other_prompts_or_runtime_never_overwrites_the_first(setup):
     """Each eval result is named by checkpoint, prompt set and runtime: an eval on fewer prompts, or in another
     runtime, writes its own file, and the readers (report, export, served) read the one their recipe names."""

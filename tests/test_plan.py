@@ -6,10 +6,12 @@ import json
 
 import pytest
 
+from specdistill import device as devices
 from specdistill import layout
 from specdistill.cli import main
 from specdistill.errors import SpecdistillError
 from specdistill.plan import time_left
+from specdistill.eval.runtime import fastest_verify
 from specdistill.plan_stage import AIM, estimate, fit, sizes
 from specdistill.recipe import load_recipe, plan_key, recipe_dump
 from tests.test_other_targets import TOY, write_recipe
@@ -85,6 +87,16 @@ def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_auto_runtime_is_the_static_dtype_that_verifies_faster_here():
+    """Forward costs (ms) as measured: the Intel Xeon without AMX, 1- and 3-token forwards (fp32 cheaper: the plan
+    moves the eval to fp32); the AVX-512 EPYC, the runtime bench's 1- and 2-token forwards, put at "3" (bf16 far
+    cheaper: auto stays bf16); and a made-up near tie (within the 5% margin: bf16 stays)."""
+    xeon = {"static-bf16": {"1": 62.7, "3": 65.0}, "static-fp32": {"1": 36.8, "3": 42.9}}
+    epyc = {"static-bf16": {"1": 34.8, "3": 34.9}, "static-fp32": {"1": 56.5, "3": 92.3}}
+    tie = {"static-bf16": {"1": 40.0, "3": 42.0}, "static-fp32": {"1": 38.0, "3": 40.5}}
+    assert [fastest_verify(c, 2) for c in (xeon, epyc, tie)] == ["static-fp32", "static-bf16", "static-bf16"]
+
+
 def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_CHECKPOINTS", str(tmp_path / "runs"))
     recipe_file = write_recipe(tmp_path, tiny_target_dir, "eagle")
@@ -101,6 +113,11 @@ def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_targe
     assert planned.train.max_steps == pytest.approx(100000 * plan["scale"], abs=6) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
 
     assert plan["measured"]["corpus_rows"] == plan["measured"]["cache_rows"] == 24
+    if devices.native_bf16("cpu"):  # eval.runtime auto: the plan timed a verify in both static dtypes and chose
+        chosen = fastest_verify(m["verify_ms"], 2)
+        assert set(m["verify_ms"]) == {"static-bf16", "static-fp32"}
+        assert ("eval.runtime=static-fp32" in plan["overrides"]) == (chosen == "static-fp32")
+        assert planned.eval.runtime == ("static-fp32" if chosen == "static-fp32" else "auto")
     assert not (tmp_path / "runs" / "eagle-plan-probe").exists()  # the probe's scratch run is gone
     # the probe computed its cache in a store of its own: a shared cache it found (or left behind) would time nothing
     assert m["cache_computed_tokens"] == m["cache_tokens"] and not any((tmp_path / "runs").glob("shared-cache/*/"))
