@@ -39,9 +39,9 @@ TOY = ["eval.num_prompts=1", "eval.max_new_tokens=4", "eval.k_sweep=[]", "eval.t
        "eval.comparators=false", "run_name=bench-toy"]
 
 
-def run(recipe_path: str) -> dict:
+def run(recipe_path: str, overrides: list[str] = ()) -> dict:
     """The benchmark at full size on a pinned recipe (experiments/run.py's bench runner)."""
-    return main(recipe_path)
+    return main(recipe_path, overrides)
 
 
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", overrides: list[str] = (), toy: bool = False) -> dict:

@@ -96,9 +96,10 @@ TOOK = re.compile(r"^plan: (\w+) took ([\d.]+) min", re.M)  # specdistill.plan.t
 
 
 def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
-    """Record a one-arm experiment from a run `make distill` made (in a fresh clone, say: `run_dir` is
-    <clone>/checkpoints/<run_name>). A pipeline experiment: its stage times read from the make log's time-left
-    lines (0.1 min). A bench experiment: its bench run now on that run's checkpoints, as they are."""
+    """Record an experiment from a run `make distill` made (in a fresh clone, say: `run_dir` is
+    <clone>/checkpoints/<run_name>). A pipeline experiment (one arm): its stage times read from the make log's
+    time-left lines (0.1 min). A bench experiment: its bench run now on that run's checkpoints, as they are, once
+    per arm (arms that change how the bench measures, never what was trained)."""
     exp = load(name)
     recipe = pinned_recipe(exp, "main")
     clone = run_dir.resolve().parent.parent
@@ -106,8 +107,12 @@ def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
         raise SystemExit(f"{run_dir}: not a run of experiments/{name}.yaml (its run_name is {recipe.run_name})")
     started = time.time()
     if exp.runner == "bench":
-        out = importlib.import_module(BENCHES[exp.bench]).run(pinned_file(recipe), [f"output_dir={run_dir.resolve().parent}"])
-        results, seconds = {"main": json.loads(json.dumps(out, default=str))}, round(time.time() - started, 1)
+        results = {}
+        for arm in exp.arms:
+            out = importlib.import_module(BENCHES[exp.bench]).run(pinned_file(pinned_recipe(exp, arm)),
+                                                                  [f"output_dir={run_dir.resolve().parent}"])
+            results[arm] = json.loads(json.dumps(out, default=str))
+        seconds = round(time.time() - started, 1)
         made_by = f"`{exp.bench}` bench on the checkpoints of `make distill`"
     else:
         if log is None:
@@ -123,7 +128,7 @@ def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
               "provenance": f"recorded from {made_by} in a fresh clone of {made} ({run_dir.name}), "
                             f"{time.strftime('%Y-%m-%d', time.gmtime(started))}"
                             + (f"; the bench ran at {ran}" if ran != made else ""),
-              "settings": {"main": recipe_dump(recipe)},
+              "settings": {arm: recipe_dump(pinned_recipe(exp, arm)) for arm in exp.arms},
               "fingerprints": {"decode_code": provenance.code_fingerprint(root=provenance.REPO_ROOT if exp.runner == "bench" else clone)},
               "hardware": device.hardware(torch.device("cpu")), "code_version": ran,
               "seconds": seconds, "results": results,

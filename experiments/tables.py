@@ -202,6 +202,26 @@ def by_workload(results: dict) -> list[list[str]]:
     return workload_rows(results["main"])
 
 
+def runtime_choice(results: dict) -> list[list[str]]:
+    """One row per runtime arm and temperature of the decode bench: the verify's cost, plain decoding in both
+    dtypes (T=0, where the other dtype is timed), the speculative rate and both speedups."""
+    rows = []
+    for arm, report in results.items():
+        ms, k = report["costs"]["forward_ms"], report["k"]
+        other = next((n for n in report.get("comparators", {}) if n.startswith("plain_static-")), None)
+        for r in report["results"]:
+            t0 = float(r["temperature"]) == 0
+            plain = f"{r['baseline_tokens_per_s']:.1f}" + (
+                f" / {report['comparators'][other]['tokens_per_s']:.1f}" if other and t0 else "")
+            lossless = {True: "yes", False: "NO", None: "(T>0)"}[r.get("lossless")]
+            rows.append([report["runtime"], f"{r['temperature']:g}", f2(r["tau"]),
+                         f"{ms[str(k + 1)]:.1f} / {ms['1']:.1f}", plain, f"{r['tokens_per_s']:.1f}",
+                         times(r["speedup"], r.get("speedup_ci95")),
+                         times(r["speedup_vs_fastest_plain"], r.get("speedup_vs_fastest_plain_ci95"))
+                         + f" ({r['fastest_plain']})", lossless])
+    return rows
+
+
 def peer(results: dict) -> list[list[str]]:
     """One row per trainer of the peer bench (ours, speculators'), as the bench prints them."""
     return peer_table.rows(results["main"])
@@ -213,4 +233,5 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
                                                       "served-parity": served, "default-90min-avx2": planned_run,
                                                       "default-90min-avx512": planned_run,
-                                                      "default-90min-xeon": planned_run, "by-workload-xeon": by_workload}
+                                                      "default-90min-xeon": planned_run, "by-workload-xeon": by_workload,
+                                                      "runtime-choice-xeon": runtime_choice}
