@@ -101,7 +101,7 @@ def from_run(name: str, run_dir: Path, log: Path | None = None) -> Path:
     time-left lines (0.1 min). A bench experiment: its bench run now on that run's checkpoints, as they are, once
     per arm (arms that change how the bench measures, never what was trained)."""
     exp = load(name)
-    recipe = pinned_recipe(exp, "main")
+    recipe = pinned_recipe(exp, next(iter(exp.arms)))  # the arms share the run (its name and what it trained)
     clone = run_dir.resolve().parent.parent
     if run_dir.name != recipe.run_name:
         raise SystemExit(f"{run_dir}: not a run of experiments/{name}.yaml (its run_name is {recipe.run_name})")
