@@ -120,6 +120,27 @@ def test_fc_norm_export_is_what_vllm_loads_and_computes(tmp_path, tiny_target_di
         build(recipe, target)
 
 
+def test_a_fc_norm_head_trains_its_norms_and_checkpoints_them(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill import layout
+    from specdistill.train.loop import train
+    from tests.test_eagle3 import add_aux_states
+    from tests.test_train import make_recipe, write_cache
+
+    monkeypatch.setattr("specdistill.recipe.CHECKPOINTS", tmp_path / "checkpoints")
+    recipe = make_recipe(tmp_path, tiny_target_dir, "fcn", kind="eagle3", max_steps=2, save_every=2)
+    recipe.draft.draft_vocab_size, recipe.draft.ttt_steps, recipe.draft.fc_norm = 128, 2, True
+    recipe.cache.aux_layers = [0, 1, 2]
+    write_cache(recipe.run_dir, tiny_target_dir, n_train=4)
+    add_aux_states(recipe.run_dir, tiny_target_dir, [0, 1, 2])
+    history = train(recipe)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    step_dir = layout.checkpoints(recipe.run_dir)[-1]
+    head = kinds.load_draft(step_dir, load_target(recipe.target)).module
+    assert head.config.fc_norm is True and len(head.fc_norm) == 3
+    assert not all(torch.equal(n.weight, torch.ones(H)) for n in head.fc_norm)  # trained: off their init
+    assert torch.equal(head.aux_scale, torch.ones(3 * H))  # the cache's std was not applied
+
+
 def test_vllm_reads_the_key_and_names_pinned_here():
     """Where .venv-vllm is installed: its source still reads the config key and builds the modules these tests
     pin (read as text: vLLM is not importable in our environment)."""
