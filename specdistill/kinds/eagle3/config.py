@@ -25,6 +25,8 @@ class Config(HeadConfig):
     ttt_steps: int = Field(7, ge=1, description="training-time test: unroll steps")
     freeze_lm_head: bool = Field(False, description="keep the readout (the target's LM-head rows of the draft "
                                  "vocabulary, or draft.init_from's) as it starts: not trained")
+    fc_norm: bool = Field(False, description="EAGLE 3.1 / speculators --fc-norm: a learned RMSNorm on each aux "
+                          "state before fc (vLLM config key fc_norm); replaces the per-dimension aux scaling")
 
 
 class Loss(HeadLoss):

@@ -17,14 +17,15 @@ from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.heads import checkpoint_config, own_state_dict  # noqa: F401  (stored as heads are)
 from specdistill.kinds.common.llama_layer import vllm_layer_config
 from specdistill.kinds.common.weights import check_head_weights
-from specdistill.kinds.eagle3.model import Eagle3Head, check_d2t
+from specdistill.kinds.eagle3.model import Eagle3Head, check_d2t, fc_norm_names
 from specdistill.target import resolve_target
 
 
 def load(config: dict, state: dict[str, torch.Tensor], target_model) -> Eagle3Head:
     cfg = dict(config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    head = Eagle3Head(config, config.draft_vocab_size, config.eagle_aux_hidden_state_layer_ids)
+    head = Eagle3Head(config, config.draft_vocab_size, config.eagle_aux_hidden_state_layer_ids,
+                      getattr(config, "fc_norm", False))
     head.load_own_state_dict(state)
     return head.bind_target(target_model.get_input_embeddings())
 
@@ -32,11 +33,12 @@ def load(config: dict, state: dict[str, torch.Tensor], target_model) -> Eagle3He
 # Contract for an eagle3 checkpoint (vLLM 0.33 llama_eagle3.py names; `midlayer.` is read as `layers.0.`):
 #   draft_config.json config: the head's Llama config (num_hidden_layers 1, vocab_size = target V) plus
 #     draft_vocab_size Vd, eagle_aux_hidden_state_layer_ids (hidden_states indices = vLLM's convention,
-#     docs/DESIGN.md), norm_before_residual, optional target_hidden_size Ht.
+#     docs/DESIGN.md), norm_before_residual, optional target_hidden_size Ht, fc_norm (only when true).
 #   draft.safetensors: fc.weight [H, A*Ht]; layers.0.self_attn.{q,k,v}_proj.weight [*, 2H], o_proj,
 #     layers.0.mlp.*, layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H];
 #     norm.weight [H]; lm_head.weight [Vd, H]; d2t int64 [Vd] when Vd < V (target id = i + d2t[i]);
-#     t2d optional. No embed_tokens (vLLM shares the target's).
+#     t2d optional; with fc_norm, fc_norm.{i}.weight [Ht] per aux state (vLLM: model.fc_norm.{i}.weight).
+#     No embed_tokens (vLLM shares the target's).
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -56,6 +58,8 @@ def eagle3_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[layer + norm + ".weight"] = (h,)
     if vd != cfg["vocab_size"]:
         shapes["d2t"] = (vd,)
+    if cfg.get("fc_norm"):
+        shapes.update((name, (ht,)) for name in fc_norm_names(aux))
     return shapes
 
 
@@ -65,7 +69,7 @@ def eagle3_tensors(step_dir: Path, cfg: dict, target_config) -> dict[str, torch.
     state = {k.replace("midlayer.", "layers.0."): v for k, v in formats.read_safetensors(weights).items()}
     t2d = state.pop("t2d", None)  # vLLM ignores it; rebuilt from d2t below
     aux_scale = state.pop("aux_scale", None)  # vLLM's fc reads the raw aux states: fold the scaling in
-    if aux_scale is not None and "fc.weight" in state:
+    if aux_scale is not None and "fc.weight" in state and not cfg.get("fc_norm"):  # fc_norm: never read (ones)
         state["fc.weight"] = (state["fc.weight"].float() * aux_scale.float()[None, :]).to(state["fc.weight"].dtype)
     vocab, vd = target_config.vocab_size, cfg.get("draft_vocab_size") or cfg["vocab_size"]
     if vd == vocab:
@@ -97,6 +101,21 @@ def ascending_aux_layers(aux: list[int], fc: torch.Tensor, ht: int) -> tuple[lis
     return ids, torch.cat([merged[i] for i in ids], dim=1).to(fc.dtype)
 
 
+def fold_repeated_fc_norms(aux: list[int], state: dict[str, torch.Tensor], ht: int) -> None:
+    """fc_norm's weights in the order `ascending_aux_layers` gives fc's blocks, before it sums a repeated id's
+    blocks: vLLM norms that state once, so each of its blocks takes its own norm's weight first
+    (W1 diag(w1) r + W2 diag(w2) r, r the normed state) and the one norm left for it is ones."""
+    norms = [state.pop(name) for name in fc_norm_names(len(aux))]
+    blocks = list(state["fc.weight"].split(ht, dim=1))
+    for i, layer_id in enumerate(aux):
+        if aux.count(layer_id) > 1:
+            blocks[i] = (blocks[i].float() * norms[i].float()[None, :]).to(blocks[i].dtype)
+            norms[i] = torch.ones_like(norms[i])
+    state["fc.weight"] = torch.cat(blocks, dim=1)
+    ids = sorted(set(aux))
+    state.update(zip(fc_norm_names(len(ids)), (norms[aux.index(layer_id)] for layer_id in ids)))
+
+
 def eagle3_layer_config(cfg: dict, target_config, dtype: torch.dtype) -> dict:
     """The head's Llama config as vLLM reads it: target's rope/eps, one layer, no tied head."""
     base = vllm_layer_config(target_config, dtype)  # same Llama-only rule and rope handling as EAGLE-1
@@ -126,7 +145,10 @@ def export(fmt: str, step_dir: Path, draft_cfg: dict, recipe, target_config, out
         raise SpecdistillError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} outside the target's "
                                f"0..{target_config.num_hidden_layers}")
     state = eagle3_tensors(step_dir, cfg, target_config)
+    fc_norm = bool(cfg.get("fc_norm"))
     if aux:
+        if fc_norm:
+            fold_repeated_fc_norms(aux, state, ht)
         aux, state["fc.weight"] = ascending_aux_layers(aux, state["fc.weight"], ht)
     dtype = state["fc.weight"].dtype
     layer = eagle3_layer_config(cfg, target_config, dtype)
@@ -135,15 +157,17 @@ def export(fmt: str, step_dir: Path, draft_cfg: dict, recipe, target_config, out
                 norm_before_residual=bool(cfg.get("norm_before_residual", False)))  # explicit: defaults differ
     if fmt == "vllm-eagle3":
         config = {**layer, **head}
+        if fc_norm:  # vLLM reads it from the config's top level (llama_eagle3.py); absent = off
+            config["fc_norm"] = True
         if aux:  # top level for the runner, in eagle_config for the fc width (vLLM reads both places)
             config["eagle_aux_hidden_state_layer_ids"] = list(aux)
         config["eagle_config"] = {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": list(aux)} if aux else {})}
     else:
-        config = speculators_config(recipe, target_config, layer, head, aux, dtype, k)
+        config = speculators_config(recipe, target_config, layer, head, aux, dtype, k, fc_norm)
     formats.write_export(out, config, state)
 
 
-def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtype, k: int) -> dict:
+def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtype, k: int, fc_norm: bool) -> dict:
     """speculators' Eagle3SpeculatorConfig as saved: no top-level model_type, the layer config nested."""
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "use_cache")}
     if aux and len(aux) != 3:  # vLLM's speculators path reads the fc width from here only (else 3 states)
@@ -153,7 +177,7 @@ def speculators_config(recipe, target_config, layer: dict, head: dict, aux, dtyp
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
         **head,
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "norm_before_fc": False, "fc_norm": fc_norm, "norm_output": False,  # vLLM's algos.update_eagle3 copies them
         "eagle_aux_hidden_state_layer_ids": list(aux) if aux else None,
         "embed_requires_grad": False,
         "transformer_layer_config": layer,

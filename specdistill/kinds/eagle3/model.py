@@ -1,6 +1,7 @@
 """EAGLE-3 draft head (Li et al. 2025), in the layout vLLM's Eagle3LlamaForCausalLM loads.
 
     g[t]      = fc( cat(a_low[t], a_mid[t], a_high[t]) )           a_L = hidden_states[L], pre-norm
+                (draft.fc_norm: each a_L through its own RMSNorm first, vLLM's `fc_norm`)
     h[t]      = layer( input_layernorm(embed(x[t+1])) ; hidden_norm(g[t]) )   attention is 2H wide
     logits[t] = lm_head( norm(h[t]) )                               over the draft vocabulary (Vd)
 
@@ -10,7 +11,7 @@ The decoder layer is a Llama layer for any target (kinds/common/llama_layer.py `
 The draft vocabulary is the Vd most frequent trained tokens of the corpus; `d2t[i]` is the offset
 from draft id i to its target id (target = i + d2t[i]), `t2d[v]` says whether target id v is in it —
 the conventions of EAGLE-3's research code, SpecForge and vLLM. Weight names match vLLM:
-`fc.weight`, `layers.0.*` (with `layers.0.hidden_norm`), `norm.weight`, `lm_head.weight`.
+`fc.weight`, `layers.0.*` (with `layers.0.hidden_norm`), `norm.weight`, `lm_head.weight` (+ `fc_norm.{i}.weight`).
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def trained_token_counts(run_dir, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def fc_norm_names(num_aux: int) -> list[str]:
+    """The fc_norm weights' names, one per aux state in fc's order (vLLM: `model.fc_norm.{i}.weight`)."""
+    return [f"fc_norm.{i}.weight" for i in range(num_aux)]
+
+
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     d2t = (draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device)).long()
     t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_ids.device)
@@ -54,13 +60,15 @@ def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, target_config, draft_vocab_size: int, aux_layers: list[int]):
+    def __init__(self, target_config, draft_vocab_size: int, aux_layers: list[int], fc_norm: bool = False):
         super().__init__()
         cfg = llama_layer_config(target_config)  # Llama-style for any target (vLLM: Eagle3LlamaForCausalLM)
         cfg._attn_implementation = "sdpa"  # we pass boolean masks (True = attend)
         cfg.draft_vocab_size = draft_vocab_size
         cfg.eagle_aux_hidden_state_layer_ids = list(aux_layers)
         cfg.norm_before_residual = False  # the residual is the un-normed state (EAGLE / SpecForge order)
+        if fc_norm:  # only when on: a default head's draft_config.json stays as it was
+            cfg.fc_norm = True
         self.config = cfg
         hidden, vocab = cfg.hidden_size, cfg.vocab_size
         body = AutoModel.from_config(cfg)
@@ -73,13 +81,17 @@ class Eagle3Head(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = body.rotary_emb
         self.fc = nn.Linear(len(aux_layers) * hidden, hidden, bias=False)
-        self.norm = type(layer.input_layernorm)(hidden, eps=cfg.rms_norm_eps)
+        RMSNorm = type(layer.input_layernorm)  # transformers' Llama RMSNorm (float32 inside), as the layer's
+        # vLLM's fc_norm: one RMSNorm per aux state (eps rms_norm_eps, weight ones), applied before fc
+        self.fc_norm = nn.ModuleList(RMSNorm(hidden, eps=cfg.rms_norm_eps) for _ in aux_layers) if fc_norm else None
+        self.norm = RMSNorm(hidden, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
         # buffers start on the host like the layers' weights; the head moves to its device as a whole
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"))
         self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool, device="cpu"))
         # Pre-norm residual states spread ~1 to ~1000 per dimension (a few "massive" dimensions); Adam
         # learns fc far faster on unit-scale inputs. fc reads aux * aux_scale; export folds it into fc.
+        # With fc_norm it stays ones: a per-dimension scale before an RMSNorm cannot be folded into fc.
         self.register_buffer("aux_scale", torch.ones(len(aux_layers) * hidden, device="cpu"))
         self.embed_tokens: nn.Embedding | None = None
 
@@ -92,6 +104,8 @@ class Eagle3Head(nn.Module):
     def set_aux_scale(self, aux_std: torch.Tensor) -> None:
         """aux_std: per-dimension std of the cached aux features [A*H]; fc then sees unit-scale inputs.
         A warm-started head rescales fc so that fc(aux * aux_scale) stays what it computed before."""
+        if self.fc_norm is not None:  # the norms bring each aux state to unit RMS; aux_scale stays ones
+            return
         new = 1.0 / aux_std.clamp_min(1e-3)
         if self.keep_fc_function:
             with torch.no_grad():
@@ -130,7 +144,11 @@ class Eagle3Head(nn.Module):
         return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)
 
     def project(self, aux_features: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux_features.to(self.fc.weight.dtype) * self.aux_scale.to(self.fc.weight.dtype))
+        x = aux_features.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:  # vLLM combine_hidden_states: cat(fc_norm[i](chunk i)), then fc
+            chunks = x.chunk(len(self.fc_norm), dim=-1)
+            return self.fc(torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1))
+        return self.fc(x * self.aux_scale.to(self.fc.weight.dtype))
 
     def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
@@ -181,7 +199,7 @@ def shapes(recipe, target_config) -> Eagle3Head:
     """The head's shapes only, on the meta device (dry runs, memory estimates)."""
     aux = resolve_aux_layers(recipe, target_config.num_hidden_layers)
     with torch.device("meta"):
-        return Eagle3Head(target_config, _draft_vocab(recipe, target_config), aux)
+        return Eagle3Head(target_config, _draft_vocab(recipe, target_config), aux, recipe.draft.fc_norm)
 
 
 def aux_feature_std(data) -> torch.Tensor:
@@ -196,16 +214,19 @@ def build(recipe, parts, data=None) -> Eagle3Head:
     config, cfg = parts.config, recipe.draft
     aux = resolve_aux_layers(recipe, config.num_hidden_layers)
     if cfg.init_from:
-        vd, released_aux = released_shape(cfg.init_from, config)
+        vd, released_aux, released_fc_norm = released_shape(cfg.init_from, config)
         # an export lists the ids ascending and once (vLLM's order); the cache may hold them in any order
         if released_aux is not None and list(released_aux) not in (list(aux), sorted(set(aux))):
             raise SpecdistillError(f"draft.init_from {cfg.init_from}: the head reads target layers "
                                    f"{released_aux}, the cache holds {aux}; set cache.aux_layers: {released_aux}")
-        head = Eagle3Head(config, vd, aux)
+        if released_fc_norm != cfg.fc_norm:  # fc was trained on normed (or raw) states: it must keep reading them
+            raise SpecdistillError(f"draft.init_from {cfg.init_from}: the head has fc_norm: "
+                                   f"{str(released_fc_norm).lower()}; set draft.fc_norm: {str(released_fc_norm).lower()}")
+        head = Eagle3Head(config, vd, aux, cfg.fc_norm)
         head.config.ttt_steps = cfg.ttt_steps
         warm_start(cfg.init_from, head, config, released_aux)
     else:
-        head = Eagle3Head(config, _draft_vocab(recipe, config), aux)
+        head = Eagle3Head(config, _draft_vocab(recipe, config), aux, cfg.fc_norm)
         head.config.ttt_steps = cfg.ttt_steps
         if cfg.init_layer_from_target and parts.where is not None:
             init_layer_from_target(head.layers[0], parts.where, config)
@@ -254,8 +275,9 @@ def check_d2t(path: Path, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
         raise SpecdistillError(f"{path}: d2t does not map draft ids to sorted, distinct target ids in [0, {vocab})")
     return ids
 
-def released_shape(path, target_config) -> tuple[int, list[int] | None]:
-    """(draft vocabulary size, aux layer ids or None) of a released EAGLE-3 head, to build a head of its shape."""
+def released_shape(path, target_config) -> tuple[int, list[int] | None, bool]:
+    """(draft vocabulary size, aux layer ids or None, fc_norm) of a released EAGLE-3 head, to build a head of
+    its shape."""
     config, state = read_released(path)
     check_fits(path, config, target_config, "EAGLE-3 head")
     if config.get("norm_before_residual"):
@@ -264,27 +286,35 @@ def released_shape(path, target_config) -> tuple[int, list[int] | None]:
     vd = config.get("draft_vocab_size") or (state["lm_head.weight"].shape[0] if "lm_head.weight" in state else None)
     aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
-    return int(vd or target_config.vocab_size), (list(aux) if aux else None)
+    return int(vd or target_config.vocab_size), (list(aux) if aux else None), bool(config.get("fc_norm"))
 
 
-def fc_in_cache_order(fc: torch.Tensor, released_aux: list[int], aux: list[int], ht: int) -> torch.Tensor:
-    """fc's column blocks from the released order (ascending, each id once: the export's) into the cache's
-    order `aux`; a repeated id's first block gets the weights and the others zeros, so fc computes the same."""
-    blocks = dict(zip(released_aux, fc.split(ht, dim=1)))
+def in_cache_order(pieces: list[torch.Tensor], released_aux: list[int], aux: list[int], repeat) -> list[torch.Tensor]:
+    """Per-aux-state pieces (fc's column blocks, fc_norm weights) from the released order (ascending, each id
+    once: the export's) into the cache's order `aux`; a repeated id's first state gets the released piece, the
+    others `repeat(piece)` (zero fc blocks, so fc computes the same)."""
+    by_id = dict(zip(released_aux, pieces))
     seen: set[int] = set()
     out = []
     for layer_id in aux:
-        out.append(torch.zeros_like(blocks[layer_id]) if layer_id in seen else blocks[layer_id])
+        out.append(repeat(by_id[layer_id]) if layer_id in seen else by_id[layer_id])
         seen.add(layer_id)
-    return torch.cat(out, dim=1)
+    return out
 
 
 def warm_start(path, head: Eagle3Head, target_config, released_aux: list[int] | None = None) -> None:
-    """Continue training a released EAGLE-3 head (`draft.init_from`); its fc keeps reading raw aux states."""
+    """Continue training a released EAGLE-3 head (`draft.init_from`); its fc keeps reading raw aux states
+    (or, with fc_norm, the normed ones)."""
     config, state = read_released(path)
     if released_aux is not None and list(released_aux) != head.aux_layers and "fc.weight" in state:
-        state["fc.weight"] = fc_in_cache_order(state["fc.weight"], list(released_aux), head.aux_layers,
-                                               target_config.hidden_size)
+        blocks = list(state["fc.weight"].split(target_config.hidden_size, dim=1))
+        state["fc.weight"] = torch.cat(in_cache_order(blocks, list(released_aux), head.aux_layers, torch.zeros_like),
+                                       dim=1)
+        released_norms = fc_norm_names(len(released_aux))
+        if head.fc_norm is not None and all(n in state for n in released_norms):
+            norms = in_cache_order([state.pop(n) for n in released_norms], list(released_aux), head.aux_layers,
+                                   torch.ones_like)  # a repeated state's fc block is zero: its norm is moot
+            state.update(zip(fc_norm_names(len(norms)), norms))
     vocab = target_config.vocab_size
     vd = head.lm_head.weight.shape[0]
     d2t = state.pop("d2t", None)
