@@ -202,6 +202,22 @@ def by_workload(results: dict) -> list[list[str]]:
     return workload_rows(results["main"])
 
 
+def served_cell(arm: dict) -> str:
+    """The arm's served check in one cell: vLLM's tau at T=0 (ours) / the verdict; "not served" where it did not run."""
+    record = next(iter(arm.get("served", {}).values()), None)
+    head = next((e for e in (record or {}).get("engines", []) if e.get("fit_to_deploy") is not None), None)
+    if head is None:
+        return "not served"
+    t0 = next(r for r in head["results"] if r["temperature"] == 0)
+    verdict = "yes" if head["fit_to_deploy"] else "no: " + "; ".join(head["not_fit_because"])
+    return f"{t0['tau']:.2f} ({t0['ours']['tau']:.2f}) / {verdict}"
+
+
+def fc_norm_screen(results: dict) -> list[list[str]]:
+    """The arms screen's row per arm, with the served check where the arm ran it."""
+    return [row + [served_cell(arm)] for row, arm in zip(arms(results), results.values())]
+
+
 def runtime_choice(results: dict) -> list[list[str]]:
     """One row per runtime arm and temperature of the decode bench: the verify's cost, plain decoding in both
     dtypes (T=0, where the other dtype is timed), the speculative rate and both speedups."""
@@ -234,4 +250,5 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "served-parity": served, "default-90min-avx2": planned_run,
                                                       "default-90min-avx512": planned_run,
                                                       "default-90min-xeon": planned_run, "by-workload-xeon": by_workload,
-                                                      "runtime-choice-xeon": runtime_choice}
+                                                      "runtime-choice-xeon": runtime_choice,
+                                                      "fc-norm-screen": fc_norm_screen}
