@@ -101,8 +101,10 @@ def run_worker(tmp_path, engine: dict, prompts, max_new_tokens=12, temperatures=
 
 
 def test_a_draft_that_is_the_target_accepts_everything(tmp_path, vllm_target):
-    """Pins the counting: with the target as its own draft LM, every drafted token is accepted at T=0, so tau
-    must be exactly K+1 and alpha 1 at every depth (tokens / drafts would give more: vLLM's prefill token)."""
+    """Pins the counting: with the target as its own draft LM, every drafted token is accepted at T=0, so the
+    counters accept K per draft and alpha is 1 at every depth; tau is K+1 but for each prompt's last step, cut at
+    max_tokens: (tokens - one prefill token per prompt) / drafts, our tokens / steps (tokens / drafts would give
+    more: vLLM's prefill token; the counters' accepted would too: what the last step accepted past the end)."""
     draft = tmp_path / "self-draft"
     shutil.copytree(vllm_target, draft)
     spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
@@ -110,7 +112,9 @@ def test_a_draft_that_is_the_target_accepts_everything(tmp_path, vllm_target):
               "export_dir": str(draft)}
     result = run_worker(tmp_path, engine, [[1, 504, 3458, 314], [1, 22, 33]])
     row = served.compare(result, None, None, 3)["results"][0]
-    assert row["tau"] == pytest.approx(4.0) and row["alpha_at"] == [1.0, 1.0, 1.0]
+    emitted = sum(len(p["tokens"]) for p in result["runs"][0]["prompts"]) - 2
+    assert sum(row["accepted_at"]) == 3 * row["steps"] and row["alpha_at"] == [1.0, 1.0, 1.0]
+    assert row["tau"] == pytest.approx(emitted / row["steps"]) and row["accepted_past_end"] == 4 * row["steps"] - emitted
     assert result["tensors"]["not_loaded"] == {} and result["tensors"]["dropped"] == []
 
 
@@ -137,7 +141,9 @@ def test_the_tensor_audit_names_a_missing_and_a_dropped_tensor(tmp_path, trained
 # ------------------------------------------------------------------------------ the arithmetic, without vLLM
 
 def worker_output(per_prompt_counts, temperature=0.0, tokens_of=None) -> dict:
-    prompts = [{"tokens": (tokens_of or (lambda i: [i] * 5))(i), "seconds": 1.0, "drafts": d, "draft_tokens": 2 * d,
+    """A worker's output: per prompt (drafts, accepted per depth); 64 tokens each unless tokens_of says (enough
+    for every count here: none accepted past the end)."""
+    prompts = [{"tokens": (tokens_of or (lambda i: [i] * 64))(i), "seconds": 1.0, "drafts": d, "draft_tokens": 2 * d,
                 "accepted": sum(pos), "accepted_per_pos": pos} for i, (d, pos) in enumerate(per_prompt_counts)]
     return {"name": "vllm-eagle3", "serve": ["vllm", "serve", "t"], "runs": [{"temperature": temperature,
                                                                                "prompts": prompts}]}
@@ -149,6 +155,15 @@ def test_served_tau_and_alpha_per_depth_from_vllm_counters():
     assert out["tau"] == pytest.approx(1 + 14 / 20)
     assert out["alpha_at"] == pytest.approx([10 / 20, 4 / 10])  # depth 2 given depth 1 accepted
     assert out["alpha"] == pytest.approx(14 / 30)
+
+
+def test_served_tau_counts_only_what_vllm_emitted():
+    """vLLM's counters count the drafts its last step accepted past max_tokens, which it cuts: 1 + 30 drafts + 34
+    accepted is 65 tokens for a 64-token output, so one accepted token was never emitted. tau counts 33 (ours stops
+    at max_new_tokens too); alpha keeps the counters'."""
+    out = served.compare(worker_output([(30, [20, 14])]), None, None, 2)["results"][0]
+    assert out["tau"] == pytest.approx(1 + 33 / 30) and out["accepted_past_end"] == 1
+    assert out["alpha_at"] == pytest.approx([20 / 30, 14 / 20])
 
 
 def ours(tau, ci, alpha_at=(0.5, 0.4)):
@@ -166,7 +181,7 @@ def test_parity_gate_passes_inside_our_interval_and_fails_outside():
     outside.update(tensors=inside["tensors"])
     fit, why = served.verdict(outside)
     assert not fit and why == ["T=0: served tau 1.700 outside ours 1.950 [1.900, 2.000]"]
-    changed = served.compare(worker_output(counts, tokens_of=lambda i: [9] * 5), plain, ours(1.68, [1.6, 1.8]), 2)
+    changed = served.compare(worker_output(counts, tokens_of=lambda i: [9] * 64), plain, ours(1.68, [1.6, 1.8]), 2)
     changed.update(tensors=inside["tensors"])
     assert served.verdict(changed)[1] == ["T=0: vLLM's speculative output differs from vLLM's plain output"]
 
@@ -198,8 +213,8 @@ def test_a_t0_divergence_that_vllms_headless_methods_share_is_vllms_not_the_head
     deploy and the divergence is named vLLM's, with where it happened and plain's top-2 gap there."""
     counts = [(10, [6, 3]), (10, [4, 1])]
     plain = worker_output([(0, []), (0, [])])
-    plain["runs"][0]["prompts"][1]["top2_gap"] = [2.0, 1.5, 0.0625, 3.0, 3.0]
-    diverged = lambda i: [i, i, 7, i, i] if i == 1 else [i] * 5  # prompt 1 leaves plain at position 2
+    plain["runs"][0]["prompts"][1]["top2_gap"] = [2.0, 1.5, 0.0625] + [3.0] * 61
+    diverged = lambda i: [i, i, 7] + [i] * 61 if i == 1 else [i] * 64  # prompt 1 leaves plain at position 2
     head = served.compare(worker_output(counts, tokens_of=diverged), plain, ours(1.68, [1.6, 1.8]), 2)
     head.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
     assert head["results"][0]["divergences"] == [{"prompt": 1, "at": 2, "plain_top2_gap": 0.0625}]
