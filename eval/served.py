@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shlex
 import sys
 import time
@@ -37,6 +36,7 @@ from specdistill.eval.prompts import load_prompts
 from specdistill.eval.results import read_result
 from specdistill.eval.runtime_names import parse_runtime, resolve_runtime_name
 from specdistill.eval.served_tables import SERVED_NOTE, served_note, served_summary
+from specdistill.eval.summary import interval, resamples
 from specdistill.processes import last_error
 from specdistill.target import load_tokenizer, resolve_target
 from specdistill.vllm_env import INSTALL_HINT, run_script, vllm_python
@@ -122,7 +122,7 @@ def served_counts(prompts: list[dict]) -> dict:
     alpha_at[i] = accepted at depth i / drafts that reached depth i (accepted at depth i-1)."""
     tokens = sum(len(p["tokens"]) for p in prompts)
     counted = [sum(p["accepted_per_pos"]) for p in prompts]
-    emitted = [min(n, max(0, len(p["tokens"]) - 1 - p["drafts"])) if p["drafts"] else n for n, p in zip(counted, prompts)]
+    emitted = [min(n, max(0, len(p["tokens"]) - 1 - p["drafts"])) for n, p in zip(counted, prompts)]
     seconds = sum(p["seconds"] for p in prompts)
     drafts = sum(p["drafts"] for p in prompts)
     depth = max((len(p["accepted_per_pos"]) for p in prompts), default=0)
@@ -135,42 +135,30 @@ def served_counts(prompts: list[dict]) -> dict:
             "alpha_at": [a / r if r else 0.0 for a, r in zip(acc, reached)], "accepted_at": acc}
 
 
-def bootstrap(prompts: list[dict], base: list[dict] | None, samples: int = 2000, seed: int = 0) -> dict:
-    """95% percentile intervals over prompts (resampled with replacement, pooled as the point estimates)."""
-    rng, n = random.Random(seed), len(prompts)
-    taus, alphas, speedups = [], [], []
-    for _ in range(samples if n else 0):
-        idx = [rng.randrange(n) for _ in range(n)]
+def bootstrap(prompts: list[dict], base: list[dict] | None, ours: list[dict] | None = None) -> dict:
+    """95% percentile intervals over prompts (the eval's resamples: pooled as the point estimates). With `ours`
+    (our eval's per_prompt at the same K: tokens, steps; the same prompts in the same order), `tau_gap_ci95`: the
+    interval of served tau - ours, prompt i of both resampled together, so what a prompt makes easy or hard
+    cancels and the interval is of the difference, not of either alone."""
+    taus, alphas, speedups, gaps = [], [], [], []
+    for idx in (resamples(len(prompts)) if prompts else []):
         c = served_counts([prompts[i] for i in idx])
         if c["tau"] is not None:
             taus.append(c["tau"])
             alphas.append(c["alpha_at"])
+            steps = sum(ours[i]["steps"] for i in idx) if ours else 0
+            if steps:
+                gaps.append(c["tau"] - sum(ours[i]["tokens"] for i in idx) / steps)
         if base:
             b = served_counts([base[i] for i in idx])
             if b["tokens_per_s"]:
                 speedups.append(c["tokens_per_s"] / b["tokens_per_s"])
-
-    def interval(xs):
-        xs = sorted(xs)
-        return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]] if xs else None
     depth = min((len(a) for a in alphas), default=0)
-    return {"tau_ci95": interval(taus), "speedup_ci95": interval(speedups),
-            "alpha_at_ci95": [interval([a[i] for a in alphas]) for i in range(depth)]}
-
-
-def paired_tau_gap_ci95(served: list[dict], ours: list[dict], samples: int = 2000, seed: int = 0) -> list[float]:
-    """95% percentile interval of served tau - our tau, pooled over the same resampled prompts in both: prompt i
-    of vLLM's run and of ours (per_prompt: tokens, steps) move together, so what a prompt makes easy or hard
-    cancels and the interval is of the difference, not of either alone."""
-    rng, n, gaps = random.Random(seed), len(served), []
-    for _ in range(samples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        s = served_counts([served[i] for i in idx])["tau"]
-        steps = sum(ours[i]["steps"] for i in idx)
-        if s is not None and steps:
-            gaps.append(s - sum(ours[i]["tokens"] for i in idx) / steps)
-    gaps.sort()
-    return [gaps[int(0.025 * (len(gaps) - 1))], gaps[int(round(0.975 * (len(gaps) - 1)))]] if gaps else [0.0, 0.0]
+    out = {"tau_ci95": interval(taus) if taus else None, "speedup_ci95": interval(speedups) if speedups else None,
+           "alpha_at_ci95": [interval([a[i] for a in alphas]) for i in range(depth)]}
+    if gaps:
+        out["tau_gap_ci95"] = interval(gaps)
+    return out
 
 
 def ours_at(result: dict | None, temperature: float, k: int) -> dict | None:
@@ -196,7 +184,10 @@ def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict
         t, prompts = run["temperature"], run["prompts"]
         base = plain_runs.get(t)
         c = served_counts(prompts)
-        row = {"temperature": t, **c, **bootstrap(prompts, base)}
+        o = ours_at(ours, t, k) if ours is not None else None
+        paired = (o or {}).pop("per_prompt", None)
+        paired = paired if paired and len(paired) == len(prompts) else None
+        row = {"temperature": t, **c, **bootstrap(prompts, base, paired)}
         if base:
             b = served_counts(base)
             row["plain_tokens_per_s"] = b["tokens_per_s"]
@@ -204,13 +195,10 @@ def compare(engine: dict, plain: dict | None, ours: dict | None, k: int) -> dict
             if t == 0:  # vLLM's own losslessness: its speculative output is its plain output
                 row["lossless"] = all(p["tokens"] == q["tokens"] for p, q in zip(prompts, base))
                 row["divergences"] = divergences(prompts, base)
-        o = ours_at(ours, t, k) if ours is not None else None
         if o is not None and c["tau"] is not None:
-            per_prompt = o.pop("per_prompt")
             row["ours"] = o
             row["tau_gap"] = c["tau"] - o["tau"]
-            if per_prompt and len(per_prompt) == len(prompts):
-                row["tau_gap_ci95"] = paired_tau_gap_ci95(prompts, per_prompt)
+            if "tau_gap_ci95" in row:
                 row["tau_parity"] = row["tau_gap_ci95"][0] <= 0.0 <= row["tau_gap_ci95"][1]
             else:  # an eval result without per-prompt counts at this K: served tau inside our interval
                 row["tau_parity"] = bool(o["tau_ci95"] and o["tau_ci95"][0] <= c["tau"] <= o["tau_ci95"][1])

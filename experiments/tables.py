@@ -13,6 +13,7 @@ from benchmarks import peer_table
 from specdistill.eval.served import headless_divergence, verdict, vllm_own_divergence
 from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
+from specdistill.eval.tables import BF16_PLAIN, FP32_PLAIN
 from specdistill.eval.workload_tables import rows as workload_rows
 
 
@@ -224,7 +225,7 @@ def runtime_choice(results: dict) -> list[list[str]]:
     rows = []
     for arm, report in results.items():
         ms, k = report["costs"]["forward_ms"], report["k"]
-        other = next((n for n in report.get("comparators", {}) if n.startswith("plain_static-")), None)
+        other = next((n for n in report.get("comparators", {}) if n in (FP32_PLAIN, BF16_PLAIN)), None)
         for r in report["results"]:
             t0 = float(r["temperature"]) == 0
             plain = f"{r['baseline_tokens_per_s']:.1f}" + (

@@ -64,7 +64,9 @@ def runtime_overrides(recipe, device) -> tuple[list[str], dict | None]:
     if device.type != "cpu" or recipe.eval.runtime != "auto" or not static_supports(load_target_config(recipe.target)):
         return [], None
     costs = verify_costs(recipe.target, device, recipe.eval.k)
-    chosen = fastest_verify(costs, recipe.eval.k)
+    chosen, k = fastest_verify(costs, recipe.eval.k), str(recipe.eval.k + 1)
+    print(f"plan: a {k}-token verify takes " + ", ".join(f"{ms[k]:.1f} ms in {name}" for name, ms in costs.items())
+          + f" here: the eval decodes in {chosen}")
     return ([] if chosen == "static-bf16" else [f"eval.runtime={chosen}"]), costs
 
 
@@ -218,10 +220,6 @@ def run(recipe, args) -> dict | None:
     print(f"plan: probing this machine ({devices.cpu_isa() if device.type == 'cpu' else device}) at {PROBE_ROWS} "
           f"rows and {PROBE_STEPS} steps" + (f"; no native bf16 here, so {', '.join(moves)}" if moves else ""))
     runtime_moves, runtime_ms = runtime_overrides(recipe, device) if not moves else ([], None)
-    if runtime_ms:
-        k = str(recipe.eval.k + 1)
-        print(f"plan: a {k}-token verify takes " + ", ".join(f"{ms[k]:.1f} ms in {name}" for name, ms in
-              runtime_ms.items()) + f" here: the eval decodes in {fastest_verify(runtime_ms, recipe.eval.k)}")
     moves += runtime_moves
     overrides = [*getattr(args, "overrides", []), *moves]
     planned = load_recipe(recipe.source, overrides)
