@@ -30,7 +30,7 @@ from specdistill import device, layout, provenance
 from specdistill.eval.exactness import verify_rows_match
 from specdistill.eval.prompts import load_prompts
 from specdistill.eval.runtime import make_runtime, parse_runtime
-from specdistill.formats import read_jsonl
+from specdistill.formats import read_corpus_summary, read_jsonl
 from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
 from specdistill.target import load_target, load_tokenizer
@@ -70,7 +70,7 @@ def run_stages(recipe_path: str, stages) -> dict:
 
 def run_results(run_dir: Path, seconds: dict) -> dict:
     """What a pipeline arm keeps: the stages' seconds, training tokens/s, the plan, every eval, workloads and served
-    JSON."""
+    JSON, and the regenerated corpus's summary."""
     steps = read_jsonl(run_dir / "train_log.jsonl")
     plan = layout.plan_path(run_dir)
     workloads = layout.workloads_results(run_dir)  # in eval/ beside the eval results, kept apart from them
@@ -81,7 +81,9 @@ def run_results(run_dir: Path, seconds: dict) -> dict:
             "eval": {p.name: json.loads(p.read_text()) for p in sorted(layout.eval_dir(run_dir).glob("*.json"))
                      if p not in workloads},
             "workloads": {p.name: json.loads(p.read_text()) for p in workloads},
-            "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))}}
+            "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))},
+            # cache.regenerate: the regenerated corpus's summary (its seconds are inside the cache stage's)
+            "regenerated": read_corpus_summary(run_dir / "corpus-regenerated")}
 
 
 def run_pipeline(exp) -> tuple[dict, list[list] | None]:
