@@ -57,7 +57,7 @@ def main(argv=None, toy: bool = False) -> dict:
                                "regenerate transformers", eos=eos)
     out["transformers"] = {"tokens": sum(map(len, replies)), "seconds": time.perf_counter() - t0}
     with tempfile.TemporaryDirectory() as tmp:
-        partial = Path(tmp) / "train.jsonl"
+        partial = Path(tmp) / "replies.jsonl"
         vllm = vllm_replies(recipe, prompts, partial, eos)
         done = json.loads(partial.with_suffix(".vllm-result.json").read_text())
     out["vllm"] = {"tokens": sum(map(len, vllm)), "seconds": done["generate_s"], "startup_s": done["startup_s"]}

@@ -10,9 +10,10 @@ hash of the row number) and keeps the corpus's own conversations for the rest: a
 
 `cache.regenerate_engine: vllm` hands the prompts to vLLM's batched generation in vLLM's own environment
 (data/vllm_generate.py): the same rows, replies cut at the same ids, with vLLM's numerics (so the engine and
-dtype are part of the reuse key). Replies are appended to `<dir>.partial/<split>.jsonl` batch by batch, so a
-killed run resumes where it stopped. The result is a prepared corpus in the shared cache directory, keyed by a hash of everything
-that shapes it (corpus, target, sampling settings), so every run with the same inputs reuses it.
+dtype are part of the reuse key). Both splits' prompts go to the engine as one list (one vLLM start-up, not one per
+split). Replies are appended to `<dir>.partial/replies.jsonl` batch by batch, so a killed run resumes where it
+stopped. The result is a prepared corpus in the shared cache directory, keyed by a hash of everything that shapes it
+(corpus, target, sampling settings), so every run with the same inputs reuses it.
 Prompts longer than corpus.max_length are skipped and counted. Rows keep their split (held out stays held out).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specdistill.target import (cut_at_eos, eos_token_ids, fingerprint_target, f
 from specdistill.vllm_env import run_script, vllm_python
 
 VLLM_GENERATE = Path(__file__).with_name("vllm_generate.py")
+PARTIAL_REPLIES = "replies.jsonl"  # in <dir>.partial/: every split's replies as they come, numbered across splits
 VLLM_CHUNK = 256  # prompts per call of vLLM's generate: what a killed run can lose; vLLM batches within it
 
 
@@ -130,10 +132,11 @@ def template_kwargs(recipe) -> dict:
     return kw
 
 
-def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str, partial: Path) -> list[dict]:
+def split_prompts(tokenizer, ds, recipe, skipped: Counter) -> dict:
+    """One split's rows the mix keeps as they are (`kept`) and the prompts the target answers, with their rows and
+    conversations."""
     kept, rows, prompts, convs = [], [], [], []
     kw = template_kwargs(recipe)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for row, messages, ids, mask in zip(ds["row"], ds["messages"], ds["input_ids"], ds["loss_mask"]):
         if not messages:
             raise SpecdistillError(f"cache.regenerate: row {row} of the prepared corpus is plain text; "
@@ -150,14 +153,33 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str, 
             skipped["prompt_too_long"] += 1
             continue
         rows.append(row), prompts.append(p_ids), convs.append(prompt)
+    return {"kept": kept, "rows": rows, "prompts": prompts, "convs": convs}
+
+
+def regenerate_splits(model, tokenizer, dd, recipe, skipped: Counter, partial: Path) -> dict[str, list[dict]]:
+    """Every split's rows with the target's replies. The prompts of all splits go to the engine at once (one vLLM
+    start-up, not one per split); `partial` numbers them across the splits in SPLITS order."""
+    todo = {name: split_prompts(tokenizer, dd[name], recipe, skipped) for name in SPLITS}
+    prompts = [p for name in SPLITS for p in todo[name]["prompts"]]
     replies = []
     if prompts and recipe.cache.regenerate_engine == "vllm":
         replies = vllm_replies(recipe, prompts, partial, target_eos_token_ids(recipe.target, tokenizer))
     elif prompts:
-        replies = generate_replies(model, prompts, recipe.cache, pad, f"regenerating {name}", partial,
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        replies = generate_replies(model, prompts, recipe.cache, pad, "regenerating", partial,
                                    eos_token_ids(model, tokenizer))
+    out, at = {}, 0
+    for name in SPLITS:
+        t = todo[name]
+        mine, at = replies[at:at + len(t["prompts"])], at + len(t["prompts"])
+        out[name] = answered_rows(t, mine, tokenizer, recipe, skipped)
+    return out
+
+
+def answered_rows(todo: dict, replies: list[list[int]], tokenizer, recipe, skipped: Counter) -> list[dict]:
+    """A split's training rows: each prompt followed by exactly the ids of its reply, and the rows the mix kept."""
     out = []
-    for row, prompt, p_ids, reply in zip(rows, convs, prompts, replies):
+    for row, prompt, p_ids, reply in zip(todo["rows"], todo["convs"], todo["prompts"], replies):
         ids = (p_ids + reply)[:recipe.corpus.max_length]
         mask = ([0] * len(p_ids) + [1] * len(reply))[:recipe.corpus.max_length]
         if sum(mask) < recipe.corpus.min_assistant_tokens:
@@ -166,7 +188,7 @@ def regenerate_split(model, tokenizer, ds, recipe, skipped: Counter, name: str, 
         text = tokenizer.decode(reply, skip_special_tokens=True).strip()
         out.append({"row": row, "input_ids": ids, "loss_mask": mask,
                     "messages": prompt + [{"role": "assistant", "content": text}]})
-    return sorted(out + kept, key=lambda r: r["row"])
+    return sorted(out + todo["kept"], key=lambda r: r["row"])
 
 
 def regeneration_inputs(recipe, summary: dict) -> dict:
@@ -208,8 +230,7 @@ def regenerated_corpus(recipe, source: Path, root: Path, model, tokenizer=None) 
     write_json_atomic(partial / "inputs.json", inputs)
     t0 = time.time()
     skipped = Counter()
-    splits = {name: regenerate_split(model, tokenizer, dd[name], recipe, skipped, name, partial / f"{name}.jsonl")
-              for name in SPLITS}
+    splits = regenerate_splits(model, tokenizer, dd, recipe, skipped, partial / PARTIAL_REPLIES)
     if not any(splits.values()):
         raise SpecdistillError(f"cache.regenerate: no usable prompts in {source} (skipped: {dict(skipped)})")
     per_split = {name: split_stats(v) for name, v in splits.items()}

@@ -7,7 +7,7 @@ fixtures alike, so that nothing re-encodes a format by hand. Paths come from spe
                    (train/checkpoint.py adds ds/, DeepSpeed's own state)
   eval result      eval/<checkpoint>.<prompt set>.<runtime>.json (layout.eval_result)
   run records      train_log.jsonl (append-only), best.json, train_recipe.yaml (train/)
-  regeneration     <key>.partial/{inputs.json, <split>.jsonl} (data/regenerate.py)
+  regeneration     <key>.partial/{inputs.json, replies.jsonl} (data/regenerate.py)
   export           export/<format>/{config.json, model.safetensors, README.md}
   released head    a directory of config.json + *.safetensors (draft.init_from)
 

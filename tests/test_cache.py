@@ -264,7 +264,7 @@ def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, ti
 def test_regeneration_resumes_from_its_partial_replies_and_mixes(tmp_path, tiny):
     target, tokenizer, model = tiny
     corpus_cfg = {"path": str(DATA / "mt_bench.jsonl"), "columns": {"user": "turns.0"}, "max_rows": 5,
-                  "min_assistant_tokens": 0, "heldout_fraction": 0.0}
+                  "min_assistant_tokens": 0, "heldout_fraction": 0.4}
     recipe = make_recipe(target, corpus_cfg, {"regenerate": True, "regenerate_max_new_tokens": 4,
                                               "regenerate_batch_size": 2})
     corpus = prepared(tmp_path, recipe, tokenizer)
@@ -276,12 +276,14 @@ def test_regeneration_resumes_from_its_partial_replies_and_mixes(tmp_path, tiny)
     partial = regenerated_dir(tmp_path / "shared", regeneration_inputs(recipe, summary)).with_name(
         regenerated_dir(tmp_path / "shared", regeneration_inputs(recipe, summary)).name + ".partial")
     partial.mkdir(parents=True)
-    (partial / "train.jsonl").write_text('{"i": 0, "ids": [7, 8]}\n{"i": 1, "ids"')  # a kill cut the last line
+    (partial / "replies.jsonl").write_text('{"i": 0, "ids": [7, 8]}\n{"i": 1, "ids"')  # a kill cut the last line
     out = regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
-    rows = load_from_disk(str(out))["train"]
+    rows, heldout = load_from_disk(str(out))["train"], load_from_disk(str(out))["heldout"]
+    assert len(heldout) > 0
     assert sum(r["input_ids"][-2:] == [7, 8] for r in rows) == 1  # prompt 0's reply was taken from the partial file
-    # every reply is in the partial file for the next resume: none joined the line the kill cut
-    assert sorted(rec["i"] for rec in read_jsonl(partial / "train.jsonl")) == list(range(len(rows)))
+    # both splits' prompts went to the engine as one list (numbered across the splits), and every reply is in
+    # the partial file for the next resume: none joined the line the kill cut
+    assert sorted(rec["i"] for rec in read_jsonl(partial / "replies.jsonl")) == list(range(len(rows) + len(heldout)))
     mix = make_recipe(target, corpus_cfg, {"regenerate": True, "regenerate_max_new_tokens": 4,
                                            "regenerate_batch_size": 2, "regenerate_fraction": 0.5})
     original = load_from_disk(str(corpus))["train"]

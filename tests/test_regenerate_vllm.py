@@ -18,7 +18,7 @@ from tests.test_cache import DATA, make_recipe, prepared
 from tests.test_served import vllm_python, vllm_target  # noqa: F401 (vllm_target: a fixture, head_dim 64)
 
 MT_BENCH = {"path": str(DATA / "mt_bench.jsonl"), "columns": {"user": "turns.0"}, "max_rows": 6,
-            "min_assistant_tokens": 0, "heldout_fraction": 0.0}
+            "min_assistant_tokens": 0, "heldout_fraction": 0.4}
 REGENERATE = {"regenerate": True, "regenerate_max_new_tokens": 8, "regenerate_batch_size": 4}
 VLLM = {**REGENERATE, "regenerate_engine": "vllm", "regenerate_vllm_args": {"enforce_eager": True}}
 
@@ -42,7 +42,7 @@ def varied_target(tmp_path_factory, smollm_tokenizer):
 
 def partial_file(recipe, corpus, root):
     out = regenerated_dir(root, regeneration_inputs(recipe, load_prepared(corpus)[1]))
-    return out.with_name(out.name + ".partial") / "train.jsonl"
+    return out.with_name(out.name + ".partial") / "replies.jsonl"
 
 
 def test_vllm_regenerates_the_rows_transformers_does_and_resumes(tmp_path, varied_target, monkeypatch):
@@ -57,7 +57,8 @@ def test_vllm_regenerates_the_rows_transformers_does_and_resumes(tmp_path, varie
     stop = next(t for i, t in enumerate(reply) if i >= 3 and t not in reply[:i])
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop)
-    expected = load_from_disk(str(regenerated_corpus(ours, corpus, tmp_path / "shared", model, tokenizer)))["train"]
+    both = load_from_disk(str(regenerated_corpus(ours, corpus, tmp_path / "shared", model, tokenizer)))
+    expected, expected_heldout = both["train"], both["heldout"]
     assert expected[-1]["input_ids"][-1] == stop and len(expected[-1]["input_ids"]) < len(uncut[-1]["input_ids"])
 
     recipe = make_recipe(varied_target, MT_BENCH, VLLM)
@@ -65,9 +66,13 @@ def test_vllm_regenerates_the_rows_transformers_does_and_resumes(tmp_path, varie
     assert partial != partial_file(ours, corpus, tmp_path / "shared")  # the engine is part of the reuse key
     partial.parent.mkdir(parents=True)
     partial.write_text('{"i": 0, "ids": [7, 8]}\n{"i": 1, "ids"')  # a kill cut the last line
-    rows = load_from_disk(str(regenerated_corpus(recipe, corpus, tmp_path / "shared", None, tokenizer)))["train"]
+    served = load_from_disk(str(regenerated_corpus(recipe, corpus, tmp_path / "shared", None, tokenizer)))
+    rows = served["train"]
     job = json.loads(partial.with_suffix(".vllm-job.json").read_text())
-    assert len(job["prompts"]) == len(expected) - 1 and stop in job["stop_token_ids"]  # prompt 0 was in the file
+    # one vLLM start-up for both splits (prompt 0 was in the file)
+    assert len(expected_heldout) > 0 and len(job["prompts"]) == len(expected) + len(expected_heldout) - 1
+    assert stop in job["stop_token_ids"]
+    assert [r["input_ids"] for r in served["heldout"]] == [r["input_ids"] for r in expected_heldout]
     assert [r["row"] for r in rows] == [r["row"] for r in expected]
     resumed = [r for r in rows if r["input_ids"][-2:] == [7, 8]]
     assert len(resumed) == 1
