@@ -11,9 +11,13 @@ HEADER = ["workload (prompts)", "drafter", "tau [95% CI]", "speedup over plain [
           "lookup's share of steps"]
 
 
+def ci(pair) -> str:
+    """A 95% interval as the tables print it (nan where the result has none)."""
+    return "[{:.2f}, {:.2f}]".format(*(pair or (float("nan"), float("nan"))))
+
+
 def rows(report: dict) -> list[list[str]]:
     """One row per workload and drafter, then the mix's (HEADER's columns)."""
-    ci = lambda pair: "[{:.2f}, {:.2f}]".format(*(pair or (float("nan"), float("nan"))))  # noqa: E731
     out = []
     named = [*report["workloads"].items(), *([("mix", report["mix"])] if "mix" in report else [])]
     for name, w in named:

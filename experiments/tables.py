@@ -14,6 +14,7 @@ from specdistill.eval.served import headless_divergence, verdict, vllm_own_diver
 from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
 from specdistill.eval.tables import BF16_PLAIN, FP32_PLAIN
+from specdistill.eval.workload_tables import ci
 from specdistill.eval.workload_tables import rows as workload_rows
 
 
@@ -251,34 +252,31 @@ DATA_ARMS = {"sharegpt": "ShareGPT's answers", "regenerated": "the target's own 
 def data_ab(results: dict) -> list[list[str]]:
     """One row per data arm at equal wall clock: what its minutes bought (regeneration, cache, training), the head's
     offline numbers, MT-bench τ (the eval) and τ per workload and on their mix (the workloads stage)."""
-    def ci(pair):
-        return f" [{pair[0]:.2f}, {pair[1]:.2f}]"
-
     rows = []
     for name, arm in results.items():
         ev, took, regen = last_eval(arm), arm["stage_seconds"], arm.get("regenerated")
         t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
-        work = arm["workloads"][sorted(arm["workloads"])[-1]]
+        mix = arm["workloads"][sorted(arm["workloads"])[-1]]["mix"]
+        work = arm["workloads"][sorted(arm["workloads"])[-1]]["workloads"]
         regen_s = regen["seconds"] if regen else 0.0
-        total = regen_s + (took["cache"] - regen_s) + took["train"]
-        mix = work["mix"]
+        cache_s = took["cache"] - regen_s  # the cache stage regenerates first
         # the regenerated corpus's tokens were all read by the cache pass; its assistant tokens are all the
         # target's only where every row was regenerated
         rates = "—"
         if regen:
-            cache_rate = regen["tokens"] / (took["cache"] - regen_s)
             made = regen["assistant_tokens"] / regen_s if "fraction" not in regen["regenerated_from"] else None
-            rates = (f"{made:.0f} / " if made else "— / ") + f"{cache_rate:.0f}"
+            rates = (f"{made:.0f} / " if made else "— / ") + f"{regen['tokens'] / cache_s:.0f}"
         rows.append([
             DATA_ARMS.get(name, name),
             f"{ev['step']} steps, {ev['tokens_seen']:,} tokens",
-            f"{regen_s / 60:.1f} + {(took['cache'] - regen_s) / 60:.1f} + {took['train'] / 60:.1f} = {total / 60:.1f}",
+            f"{regen_s / 60:.1f} + {cache_s / 60:.1f} + {took['train'] / 60:.1f} = "
+            f"{(took['cache'] + took['train']) / 60:.1f}",
             rates,
             f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
             f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
-            f2(t0["tau"]) + (ci(t0["tau_ci95"]) if t0.get("tau_ci95") else ""),
-            " / ".join(f2(w["head"]["tau"]) for w in work["workloads"].values()),
-            f"{f2(mix['head']['tau'])}{ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])}{ci(mix['hybrid']['tau_ci95'])}",
+            f2(t0["tau"]) + (f" {ci(t0['tau_ci95'])}" if t0.get("tau_ci95") else ""),
+            " / ".join(f2(w["head"]["tau"]) for w in work.values()),
+            f"{f2(mix['head']['tau'])} {ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])} {ci(mix['hybrid']['tau_ci95'])}",
             f"{times(mix['head']['speedup'], mix['head']['speedup_ci95'])} / "
             f"{times(mix['hybrid']['speedup'], mix['hybrid']['speedup_ci95'])}",
         ])

@@ -278,7 +278,8 @@ def test_regeneration_resumes_from_its_partial_replies_and_mixes(tmp_path, tiny)
     partial.mkdir(parents=True)
     (partial / "replies.jsonl").write_text('{"i": 0, "ids": [7, 8]}\n{"i": 1, "ids"')  # a kill cut the last line
     out = regenerated_corpus(recipe, corpus, tmp_path / "shared", model, tokenizer)
-    rows, heldout = load_from_disk(str(out))["train"], load_from_disk(str(out))["heldout"]
+    both = load_from_disk(str(out))
+    rows, heldout = both["train"], both["heldout"]
     assert len(heldout) > 0
     assert sum(r["input_ids"][-2:] == [7, 8] for r in rows) == 1  # prompt 0's reply was taken from the partial file
     # both splits' prompts went to the engine as one list (numbered across the splits), and every reply is in
