@@ -34,6 +34,7 @@ from specdistill.formats import read_corpus_summary, read_jsonl
 from specdistill.plan import STAGE_ORDER
 from specdistill.recipe import recipe_dump
 from specdistill.target import load_target, load_tokenizer
+from specdistill.train import replay
 
 PIPELINE_STAGES = STAGE_ORDER  # what `make distill` runs
 # the decode and hybrid benches read the last checkpoint; the scaling and peer benches run their own stages
@@ -83,7 +84,8 @@ def run_results(run_dir: Path, seconds: dict) -> dict:
             "workloads": {p.name: json.loads(p.read_text()) for p in workloads},
             "served": {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "served").glob("*.json"))},
             # cache.regenerate: the regenerated corpus's summary (its seconds are inside the cache stage's)
-            "regenerated": read_corpus_summary(run_dir / "corpus-regenerated")}
+            "regenerated": read_corpus_summary(run_dir / "corpus-regenerated"),
+            "replay": replay.summary(run_dir)}  # loss.replay_weight: Draft-OPD's replay (inside the train stage's seconds)
 
 
 def run_pipeline(exp) -> tuple[dict, list[list] | None]:

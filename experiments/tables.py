@@ -283,6 +283,36 @@ def data_ab(results: dict) -> list[list[str]]:
     return rows
 
 
+OPD_ARMS = {"base": "base (52 steps from scratch)", "sft": "+ plain continued training",
+            "replay": "+ Draft-OPD replay (loss.replay_weight 2)"}
+
+
+def draft_opd(results: dict) -> list[list[str]]:
+    """One row per arm: base, then the two continuations of it at equal wall clock (the train stage's minutes, the
+    replay's inside them), with the replay's own counts, the offline numbers, MT-bench τ and the workloads."""
+    rows = []
+    for name, arm in results.items():
+        ev, took, made = last_eval(arm), arm["stage_seconds"], arm.get("replay")
+        t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
+        last = arm["workloads"][sorted(arm["workloads"])[-1]]
+        mix, work = last["mix"], last["workloads"]
+        replay_s = made["seconds"] if made else 0.0
+        rows.append([
+            OPD_ARMS.get(name, name),
+            f"{ev['step']} steps, {ev['tokens_seen']:,} tokens",
+            f"{replay_s / 60:.1f} + {(took['train'] - replay_s) / 60:.1f} = {took['train'] / 60:.1f}",
+            f"{made['steps']:,} steps, τ {made['tau']:.3f}, {made['rejected']:,} rejected" if made else "—",
+            f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
+            f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
+            f2(t0["tau"]) + (f" {ci(t0['tau_ci95'])}" if t0.get("tau_ci95") else ""),
+            " / ".join(f2(w["head"]["tau"]) for w in work.values()),
+            f"{f2(mix['head']['tau'])} {ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])} {ci(mix['hybrid']['tau_ci95'])}",
+            f"{times(mix['head']['speedup'], mix['head']['speedup_ci95'])} / "
+            f"{times(mix['hybrid']['speedup'], mix['hybrid']['speedup_ci95'])}",
+        ])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
                                                       "scaling": scaling, "runtime-bench": runtimes,
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
@@ -291,4 +321,5 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "default-90min-avx512": planned_run,
                                                       "default-90min-xeon": planned_run, "by-workload-xeon": by_workload,
                                                       "runtime-choice-xeon": runtime_choice,
-                                                      "fc-norm-screen": fc_norm_screen, "data-ab": data_ab}
+                                                      "fc-norm-screen": fc_norm_screen, "data-ab": data_ab,
+                                                      "draft-opd": draft_opd}

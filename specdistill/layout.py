@@ -38,6 +38,11 @@ def heldout_cost_path(run_dir: Path) -> Path:
     return run_dir / "heldout_cost.jsonl"
 
 
+def replay_path(run_dir: Path) -> Path:
+    """Draft-OPD's replay of the head training started from (train/replay.py), read back when training resumes."""
+    return run_dir / "replay.safetensors"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step:07d}"
 

@@ -77,10 +77,12 @@ def add_aux_states(run_dir, target_dir, aux_layers):
     from transformers import AutoModelForCausalLM
 
     from specdistill import layout
-    from specdistill.formats import read_shard, write_shard
+    from specdistill.formats import read_manifest, read_shard, write_manifest, write_shard
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    for shard in sorted(layout.cache_dir(run_dir).glob("*/shard-*.safetensors")):
+    cache = layout.cache_dir(run_dir)
+    manifest = read_manifest(cache)
+    for shard in sorted(cache.glob("*/shard-*.safetensors")):
         tensors = read_shard(shard)
         aux = []
         for ids in tensors["input_ids"].long().split(tensors["seq_lens"].tolist()):
@@ -88,7 +90,10 @@ def add_aux_states(run_dir, target_dir, aux_layers):
                 hs = model(ids[None], output_hidden_states=True).hidden_states
             aux.append(torch.stack([hs[i][0] for i in aux_layers], dim=1))
         tensors["hidden_aux"] = torch.cat(aux).contiguous()
-        write_shard(shard, tensors)
+        entry = write_shard(shard, tensors)
+        shards = manifest["splits"][shard.parent.name]["shards"]
+        shards[[s["file"] for s in shards].index(shard.name)] = entry  # its new size and checksums
+    write_manifest(cache, {**manifest, "store": manifest["store"] + ["hidden_aux"], "aux_layers": list(aux_layers)})
 
 
 def test_eagle3_trains_checkpoints_reloads_and_measures(tmp_path, tiny_target_dir, monkeypatch):

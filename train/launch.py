@@ -92,6 +92,7 @@ def restart(run_dir: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
     for name in ("train_log.jsonl", "best.json", "report.md", "train_recipe.yaml"):
         (run_dir / name).unlink(missing_ok=True)
+    layout.replay_path(run_dir).unlink(missing_ok=True)  # drafted by the head training started from
     if layout.best_link(run_dir).is_symlink():
         layout.best_link(run_dir).unlink()
     print(f"--restart: removed the checkpoints, logs and results of {run_dir}; training from step 0", flush=True)

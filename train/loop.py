@@ -38,7 +38,7 @@ from specdistill.processes import join, use_accelerator
 from specdistill.recipe import load_recipe
 from specdistill.strict import strict_device_from_env
 from specdistill.target import DTYPES, fingerprint_target, load_target_parts
-from specdistill.train import checkpoint, preemption
+from specdistill.train import checkpoint, preemption, replay
 from specdistill.train.ds_config import build_ds_config, lr_scheduler
 from specdistill.train.report_to import Reporters
 
@@ -218,6 +218,10 @@ def train(recipe, stop_after: int | None = None, device: torch.device | None = N
         tokens_seen = (read_metrics(latest) or {}).get("tokens_seen", 0)
         if rank == 0:
             print(f"resuming from {latest.name}", flush=True)
+    if objective.replay_weight:  # Draft-OPD: where verification rejects the head training starts from
+        depth = replay.build_or_read(run_dir, objective, data, recipe.eval.k, tc.micro_batch_size, rank, world,
+                                     device, resumed=latest is not None, started_from=recipe.draft.init_from)
+        data = replay.WithReplay(data, depth)
     meta = {"kind": draft_kind.NAME, "target": {**recipe.target.model_dump(mode="json"), "fingerprint": _fingerprint(recipe)},
             "loss": recipe.loss.model_dump(mode="json"), **objective.recorded()}
     heldout = _heldout_batches(cache, recipe, device)

@@ -25,6 +25,7 @@ class BaseObjective(nn.Module):
     parts and the loss settings as plain attributes. The default loss is the distribution loss."""
 
     progress: float = 0.0  # share of training done, set by the loop before each step (the hybrid objective's ramp)
+    replay_weight: float = 0.0  # > 0: the loss weights Draft-OPD's replay (train/replay.py; EAGLE-3's chain_hits)
 
     def __init__(self, head: nn.Module, parts, loss_cfg, data=None):
         """data: the cached train split, for what a kind measures on it once (EAGLE-1's noise scale)."""

@@ -35,3 +35,8 @@ class Loss(HeadLoss):
     ttt_wrong_weight: float = Field(1.0, ge=0.0, le=1.0, description="GRIFFIN-style: weight of an unrolled "
                                     "step's position whose previous step predicted the wrong token (its input was "
                                     "already off the target's path); 1: off")
+    replay_weight: float = Field(0.0, ge=0.0, description="Draft-OPD (train/replay.py): before the first step, the "
+                                 "head training starts from replays its T=0 chain of eval.k drafts along every train "
+                                 "row as decoding would; the depths verification exposed (a rejected step's accepted "
+                                 "depths and its first rejected one) count 1 + this in the loss. For a warm start "
+                                 "(draft.init_from) on the target's own answers (cache.regenerate); 0: off")

@@ -87,13 +87,50 @@ class Objective(BaseObjective):
             with torch.no_grad():  # target logits over the draft vocabulary, at the positions counted
                 p = target_logits_from_hidden(parts.config, target_rows, last[:, 1 + s:][c[:, :T - 1 - s]])
             steps.append({"q_logits": q, "p_logits": p})
-        return {**steps[0], "steps": steps, "counted_at": steps_at, "draft_ids": draft_ids,
-                "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
+        out = {**steps[0], "steps": steps, "counted_at": steps_at, "draft_ids": draft_ids,
+               "metric_q_logits": logits[0], "metric_f": last[:, 1:][first[:, :T - 1]]}
+        if "replay_depth" in batch:  # Draft-OPD: step s at a position verification exposed to depth > s
+            out["replayed_at"] = [batch["replay_depth"][c] > s for s, c in enumerate(steps_at)]
+        return out
+
+    @property
+    def replay_weight(self) -> float:
+        return self.loss_cfg.replay_weight
+
+    @torch.no_grad()
+    def chain_hits(self, batch: dict, k: int) -> torch.Tensor:
+        """[k, B, T] bool: unroll step s at position t drafts the target's greedy token t + 2 + s (its top-1 over
+        the draft vocabulary). The unroll is the drafter's own computation (tests/test_eagle3.py), teacher-forced:
+        where depths < s were accepted it is what decoding drafts (train/replay.py walks the chains from it)."""
+        if k > self.head.config.ttt_steps:
+            raise SpecdistillError(f"loss.replay_weight: eval.k {k} drafts more than draft.ttt_steps "
+                                   f"{self.head.config.ttt_steps} unrolled steps")
+        parts, ids = self.parts, batch["input_ids"]
+        T = ids.shape[1]
+        dtype = parts.lm_head.weight.dtype
+        trained = counted(batch)
+        judged = []  # step s at position t is judged only where its token t + 2 + s is trained
+        for s in range(min(k, T - 2)):
+            c = torch.zeros_like(trained)
+            c[:, :T - 2 - s] = trained[:, 2 + s:]
+            judged.append(c)
+        logits = ttt_forward(self.head, ids, batch["hidden_aux"].to(dtype).flatten(2), batch["attention_mask"],
+                             len(judged), keep=judged)
+        needed = torch.zeros_like(trained)  # the target's greedy choice of each trained token (the LM head is the cost)
+        needed[:, :T - 1] = trained[:, 1:]
+        greedy = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+        greedy[needed] = target_logits_from_hidden(parts.config, parts.lm_head,
+                                                   batch["hidden_last"][needed].to(dtype)).argmax(-1)
+        hits = torch.zeros((k,) + tuple(ids.shape), dtype=torch.bool, device=ids.device)
+        for s, (c, q) in enumerate(zip(judged, logits)):
+            hits[s][c] = self.head.draft_ids[q.argmax(-1)] == greedy[:, 1 + s:][c[:, :T - 1 - s]]
+        return hits
 
     def loss(self, pred: dict):
         """Per unroll step, weighted ttt_decay**s (EAGLE-3 / SpecForge use 0.8). With loss.ttt_wrong_weight < 1
         (GRIFFIN-style), a position of step s >= 1 whose step s-1 predicted the wrong token (its input state was
-        already off the target's path) counts that much in step s's mean."""
+        already off the target's path) counts that much in step s's mean. With loss.replay_weight (Draft-OPD,
+        train/replay.py), a position whose step s verification exposed counts 1 + replay_weight times."""
         cfg = self.loss_cfg
         total, components, weights = 0.0, {}, 0.0
         wrong = None  # [B, T]: step s-1's top-1 missed the target's at that start position
@@ -103,6 +140,9 @@ class Objective(BaseObjective):
             rows = None
             if wrong is not None:
                 rows = torch.where(wrong[at], cfg.ttt_wrong_weight, 1.0)
+            if "replayed_at" in pred and cfg.replay_weight:
+                replayed = 1.0 + cfg.replay_weight * pred["replayed_at"][s].float()
+                rows = replayed if rows is None else rows * replayed
             dist, _ = self.distribution_loss(log_p, log_q, rows)
             if cfg.ttt_wrong_weight < 1:
                 wrong = torch.zeros_like(at)
