@@ -42,10 +42,14 @@ VLLM_CHUNK = 256  # prompts per call of vLLM's generate: what a killed run can l
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The conversation up to (not including) its first assistant turn."""
+    """The conversation up to (not including) the first assistant turn that answers a user's. A conversation that
+    opens with the assistant (ShareGPT's split conversations: 102 of 429 train rows in data-ab) keeps that turn as
+    context, and the target answers the user's turn after it."""
+    asked = False
     for i, m in enumerate(messages):
-        if m["role"] == "assistant":
+        if m["role"] == "assistant" and asked:
             return messages[:i]
+        asked = asked or m["role"] == "user"
     return messages
 
 
@@ -196,7 +200,8 @@ def regeneration_inputs(recipe, summary: dict) -> dict:
     inputs = {"corpus": summary["fingerprint"], "target": fingerprint_target(recipe.target),
               "temperature": recipe.cache.regenerate_temperature,
               "max_new_tokens": recipe.cache.regenerate_max_new_tokens, "max_length": recipe.corpus.max_length,
-              "min_assistant_tokens": recipe.corpus.min_assistant_tokens, "format": "exact-ids"}
+              "min_assistant_tokens": recipe.corpus.min_assistant_tokens, "format": "exact-ids",
+              "prompt": "to-the-first-answered-user-turn"}  # was: to the first assistant turn (rows opening with one dropped)
     if recipe.cache.regenerate_engine != "transformers":  # another engine's numerics: another corpus
         inputs["engine"] = {"name": recipe.cache.regenerate_engine, "dtype": recipe.target.dtype}
     if recipe.cache.regenerate_fraction < 1.0:

@@ -261,6 +261,31 @@ def write_export(out: Path, config: dict, state: dict[str, torch.Tensor]) -> Non
                       metadata={"format": "pt"})
 
 
+def write_replay(path: Path, depth: torch.Tensor, summary: dict, made_by: dict) -> None:
+    """Draft-OPD's replay (docs/DESIGN.md "Replay"): `depth` int8 [N] and its summary and origin as JSON metadata,
+    written under a temp name and renamed."""
+    partial = path.with_name(path.name + ".partial")
+    write_safetensors(partial, {"depth": depth}, metadata={"summary": json.dumps(summary), "made_by": json.dumps(made_by)})
+    os.replace(partial, path)
+
+
+def read_replay_header(path: Path) -> tuple[dict, dict]:
+    """(summary, made_by) of a replay file, without reading its tensor."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        return json.loads(meta["summary"]), json.loads(meta["made_by"])
+    except (KeyError, ValueError):
+        raise SpecdistillError(f"{path}: not a replay file (no summary / made_by metadata); train with --restart") from None
+
+
+def read_replay(path: Path) -> torch.Tensor:
+    """A replay file's `depth` [N] int8."""
+    return read_safetensors(path)["depth"]
+
+
 def read_released_head(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, every *.safetensors merged) of a head directory; SpecdistillError naming what is missing."""
     d = Path(path).expanduser()

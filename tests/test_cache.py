@@ -229,6 +229,18 @@ def test_shard_and_batch_plans():
     assert batches[0][0] == 3  # longest first
 
 
+def test_the_target_answers_the_first_user_turn_even_after_an_opening_assistant_turn():
+    """A conversation that opens with the assistant (ShareGPT's split conversations) keeps that turn as context and
+    is answered at its first user turn, not dropped; a conversation without a user turn has nothing to answer."""
+    from specdistill.data.regenerate import prompt_messages
+
+    u, a, s = ({"role": r, "content": r[0]} for r in ("user", "assistant", "system"))
+    assert prompt_messages([u, a, u, a]) == [u]
+    assert prompt_messages([s, u, a]) == [s, u]
+    assert prompt_messages([a, u, a, u]) == [a, u]
+    assert prompt_messages([a, s, a])[-1]["role"] != "user"
+
+
 def test_regenerate_replaces_the_first_assistant_turn_and_is_reused(tmp_path, tiny, capsys):
     target, tokenizer, model = tiny
     recipe = make_recipe(target, {"path": str(DATA / "mt_bench.jsonl"), "columns": {"user": "turns.0"},

@@ -2,8 +2,6 @@
 counts the exposed depths, and training computes the replay once and reads it back when it resumes."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from benchmarks.tiny import make_recipe, read_log, write_cache
 from specdistill import kinds, layout
 from specdistill.data.cache_reader import collate
 from specdistill.errors import SpecdistillError
+from specdistill.formats import read_replay
 from specdistill.eval.chain_tau import heldout_sequences, replay as engine_replay
 from specdistill.kinds.eagle3.model import Eagle3Head
 from specdistill.kinds.eagle3.objective import ttt_forward
@@ -116,15 +115,15 @@ def eagle3_recipe(tmp_path, target_dir, name, **train):
 
 def test_training_replays_once_and_resumes_with_the_same_replay(tmp_path, tiny_target_dir, checkpoints_root):
     """A run with loss.replay_weight writes the replay before its first step (2 processes write what 1 does), a
-    resumed run reads it back (its losses are the uninterrupted run's), a resumed run without it stops, and the
-    weights change what is trained."""
+    resumed run reads it back (its losses are the uninterrupted run's), one made for another K is refused, a resumed
+    run without it stops, and the weights change what is trained."""
     from specdistill.train import launch
 
     full = eagle3_recipe(tmp_path, tiny_target_dir, "opd-full")
     launch.run(full)
     made = replay.summary(full.run_dir)
     assert made["rows"] == 8 and made["k"] == full.eval.k and made["steps"] > 0 and made["rejected"] > 0
-    depth = replay.read_safetensors(layout.replay_path(full.run_dir))["depth"]
+    depth = read_replay(layout.replay_path(full.run_dir))
     assert int((depth > 0).sum()) == made["rejected"]
 
     cut = eagle3_recipe(tmp_path, tiny_target_dir, "opd-cut")
@@ -133,6 +132,10 @@ def test_training_replays_once_and_resumes_with_the_same_replay(tmp_path, tiny_t
     for a, b in zip(read_log(full.run_dir), read_log(cut.run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), a["step"]
 
+    cut.eval.k = 3  # a replay made for another K (or another start) is refused, not reused
+    with pytest.raises(SpecdistillError, match="replay.safetensors: made for .*'k': 2.*'k': 3"):
+        launch.run(cut)
+    cut.eval.k = 2
     layout.replay_path(cut.run_dir).unlink()
     with pytest.raises(SpecdistillError, match="replay.safetensors: missing, and training resumes"):
         launch.run(cut)
@@ -145,5 +148,5 @@ def test_training_replays_once_and_resumes_with_the_same_replay(tmp_path, tiny_t
 
     two = eagle3_recipe(tmp_path, tiny_target_dir, "opd-two", num_gpus=2, micro_batch_size=1)
     launch.run(two)  # the DeepSpeed launcher, 2 CPU processes: each replays half the rows
-    assert torch.equal(replay.read_safetensors(layout.replay_path(two.run_dir))["depth"], depth)
-    assert json.loads(replay.metadata(layout.replay_path(two.run_dir))["summary"])["steps"] == made["steps"]
+    assert torch.equal(read_replay(layout.replay_path(two.run_dir)), depth)
+    assert replay.summary(two.run_dir)["steps"] == made["steps"]

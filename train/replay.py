@@ -18,7 +18,6 @@ back (its head has moved on).
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -26,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from specdistill.data.cache_reader import collate
 from specdistill import layout
+from specdistill.data.cache_reader import collate
 from specdistill.errors import SpecdistillError
-from specdistill.formats import read_safetensors, write_safetensors
+from specdistill.formats import read_replay, read_replay_header, write_replay
 from specdistill.objective.base import counted
 
 def turns(trained: torch.Tensor) -> list[tuple[int, int]]:
@@ -86,6 +85,14 @@ def compute(objective, data, k: int, micro_batch: int, rank: int, world: int, de
     return out, counts
 
 
+def row_offsets(lengths: list[int]) -> list[int]:
+    """Where each row starts in the flat depth tensor (and where the last ends)."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
 def build_or_read(run_dir: Path, objective, data, k: int, micro_batch: int, rank: int, world: int, device,
                   resumed: bool, started_from: str | None) -> torch.Tensor:
     """The replay's depths over the train split, flat in row order (int8, one per cached token): read from the
@@ -95,11 +102,11 @@ def build_or_read(run_dir: Path, objective, data, k: int, micro_batch: int, rank
     total = sum(data.lengths)
     made_by = {"k": k, "init_from": started_from, "positions": total}
     if path.is_file():
-        recorded = json.loads(metadata(path)["made_by"])
+        _, recorded = read_replay_header(path)
         if recorded != made_by:
             raise SpecdistillError(f"{path}: made for {recorded}, this run has {made_by}; train with --restart "
                                    f"(or remove the file) to replay again")
-        return read_safetensors(path)["depth"]
+        return read_replay(path)
     if resumed:
         raise SpecdistillError(f"{path}: missing, and training resumes from a checkpoint: the head now is not the "
                                f"one the replay must be drafted by; train with --restart to start again")
@@ -109,9 +116,7 @@ def build_or_read(run_dir: Path, objective, data, k: int, micro_batch: int, rank
     if world > 1:
         shares = [None] * world
         dist.all_gather_object(shares, (mine, counts))
-    offsets = [0]
-    for n in data.lengths:
-        offsets.append(offsets[-1] + n)
+    offsets = row_offsets(data.lengths)
     depth = torch.zeros(total, dtype=torch.int8)
     made = {"rows": len(data), "k": k, "tokens": 0, "steps": 0, "rejected": 0}
     for rows, c in shares:
@@ -122,37 +127,24 @@ def build_or_read(run_dir: Path, objective, data, k: int, micro_batch: int, rank
     made["tau"] = round(made["tokens"] / made["steps"], 4) if made["steps"] else 0.0
     made["seconds"] = round(time.time() - t0, 2)
     if rank == 0:
-        partial = path.with_suffix(".partial")
-        write_safetensors(partial, {"depth": depth}, metadata={"summary": json.dumps(made),
-                                                                "made_by": json.dumps(made_by)})
-        partial.replace(path)
+        write_replay(path, depth, made, made_by)
         print(f"replay (Draft-OPD): {made['rows']} rows, {made['tokens']} trained tokens walked in "
               f"{made['steps']} steps of K={k} (tau {made['tau']:.3f}), {made['rejected']} rejected; "
               f"{made['seconds']:.0f} s", flush=True)
     return depth
 
 
-def metadata(path: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
-
-
 def summary(run_dir: Path) -> dict | None:
     """What the run's replay counted and cost (None: the run has none)."""
     path = layout.replay_path(run_dir)
-    return json.loads(metadata(path)["summary"]) if path.is_file() else None
+    return read_replay_header(path)[0] if path.is_file() else None
 
 
 class WithReplay(Dataset):
     """The train split's rows with `replay_depth` [L] (long) beside the cached tensors."""
 
     def __init__(self, data, depth: torch.Tensor):
-        self.data, self.depth = data, depth
-        self.offsets = [0]
-        for n in data.lengths:
-            self.offsets.append(self.offsets[-1] + n)
+        self.data, self.depth, self.offsets = data, depth, row_offsets(data.lengths)
 
     def __len__(self) -> int:
         return len(self.data)
