@@ -249,15 +249,30 @@ DATA_ARMS = {"sharegpt": "ShareGPT's answers", "regenerated": "the target's own 
              "mix": "half and half (a hash of the row)"}
 
 
+def head_cells(arm: dict) -> list[str]:
+    """What an arm's head reached, offline and decoding: held-out top-1, simulated τ on the MT-bench continuations,
+    MT-bench τ at T=0, τ per workload, and τ and speedup on the mix of workloads (head / hybrid)."""
+    ev = last_eval(arm)
+    t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
+    last = arm["workloads"][sorted(arm["workloads"])[-1]]
+    mix, work = last["mix"], last["workloads"]
+    return [
+        f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
+        f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
+        f2(t0["tau"]) + (f" {ci(t0['tau_ci95'])}" if t0.get("tau_ci95") else ""),
+        " / ".join(f2(w["head"]["tau"]) for w in work.values()),
+        f"{f2(mix['head']['tau'])} {ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])} {ci(mix['hybrid']['tau_ci95'])}",
+        f"{times(mix['head']['speedup'], mix['head']['speedup_ci95'])} / "
+        f"{times(mix['hybrid']['speedup'], mix['hybrid']['speedup_ci95'])}",
+    ]
+
+
 def data_ab(results: dict) -> list[list[str]]:
     """One row per data arm at equal wall clock: what its minutes bought (regeneration, cache, training), the head's
     offline numbers, MT-bench τ (the eval) and τ per workload and on their mix (the workloads stage)."""
     rows = []
     for name, arm in results.items():
         ev, took, regen = last_eval(arm), arm["stage_seconds"], arm.get("regenerated")
-        t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
-        mix = arm["workloads"][sorted(arm["workloads"])[-1]]["mix"]
-        work = arm["workloads"][sorted(arm["workloads"])[-1]]["workloads"]
         regen_s = regen["seconds"] if regen else 0.0
         cache_s = took["cache"] - regen_s  # the cache stage regenerates first
         # the regenerated corpus's tokens were all read by the cache pass; its assistant tokens are all the
@@ -272,13 +287,7 @@ def data_ab(results: dict) -> list[list[str]]:
             f"{regen_s / 60:.1f} + {cache_s / 60:.1f} + {took['train'] / 60:.1f} = "
             f"{(took['cache'] + took['train']) / 60:.1f}",
             rates,
-            f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
-            f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
-            f2(t0["tau"]) + (f" {ci(t0['tau_ci95'])}" if t0.get("tau_ci95") else ""),
-            " / ".join(f2(w["head"]["tau"]) for w in work.values()),
-            f"{f2(mix['head']['tau'])} {ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])} {ci(mix['hybrid']['tau_ci95'])}",
-            f"{times(mix['head']['speedup'], mix['head']['speedup_ci95'])} / "
-            f"{times(mix['hybrid']['speedup'], mix['hybrid']['speedup_ci95'])}",
+            *head_cells(arm),
         ])
     return rows
 
@@ -293,22 +302,13 @@ def draft_opd(results: dict) -> list[list[str]]:
     rows = []
     for name, arm in results.items():
         ev, took, made = last_eval(arm), arm["stage_seconds"], arm.get("replay")
-        t0 = next(r for r in ev["results"] if r["temperature"] == 0.0)
-        last = arm["workloads"][sorted(arm["workloads"])[-1]]
-        mix, work = last["mix"], last["workloads"]
         replay_s = made["seconds"] if made else 0.0
         rows.append([
             OPD_ARMS.get(name, name),
             f"{ev['step']} steps, {ev['tokens_seen']:,} tokens",
             f"{replay_s / 60:.1f} + {(took['train'] - replay_s) / 60:.1f} = {took['train'] / 60:.1f}",
             f"{made['steps']:,} steps, τ {made['tau']:.3f}, {made['rejected']:,} rejected" if made else "—",
-            f"{ev['offline']['heldout']['top1_at'][0]:.3f}",
-            f"{ev['offline']['chain_on_continuations']['tau']:.3f}",
-            f2(t0["tau"]) + (f" {ci(t0['tau_ci95'])}" if t0.get("tau_ci95") else ""),
-            " / ".join(f2(w["head"]["tau"]) for w in work.values()),
-            f"{f2(mix['head']['tau'])} {ci(mix['head']['tau_ci95'])} / {f2(mix['hybrid']['tau'])} {ci(mix['hybrid']['tau_ci95'])}",
-            f"{times(mix['head']['speedup'], mix['head']['speedup_ci95'])} / "
-            f"{times(mix['hybrid']['speedup'], mix['hybrid']['speedup_ci95'])}",
+            *head_cells(arm),
         ])
     return rows
 
