@@ -19,6 +19,7 @@ back (its head has moved on).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -38,14 +39,14 @@ def turns(trained: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def walk(hits: torch.Tensor, trained: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
+def walk(hits: torch.Tensor, trained: torch.Tensor, k: int) -> tuple[torch.Tensor, Counter]:
     """One row's chains of k drafts, stepped as decoding steps them, from `hits` [k, L] (step s at position t
     drafts token t + 2 + s right; the objective's `chain_hits`) and `trained` [L]: depth [L] int8 (0: no rejected
     step drafts from there) and the row's counts. Depth i is judged only where depths < i were accepted and its
     token lies in the turn (eval/chain_tau.py `replay`'s rule; tests/test_replay.py: the same steps)."""
     depth = torch.zeros(trained.numel(), dtype=torch.int8)
     hit = hits.tolist()
-    counts = {"tokens": 0, "steps": 0, "rejected": 0}
+    counts = Counter(tokens=0, steps=0, rejected=0)
     for start, end in turns(trained):
         n = max(start, 2)  # the first draft reads the state of position n - 2
         counts["tokens"] += max(end - n, 0)
@@ -62,12 +63,12 @@ def walk(hits: torch.Tensor, trained: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def compute(objective, data, k: int, micro_batch: int, rank: int, world: int, device) -> tuple[list, dict]:
+def compute(objective, data, k: int, micro_batch: int, rank: int, world: int, device) -> tuple[list, Counter]:
     """This process's share of the rows (i = rank mod world), `micro_batch` rows a forward: [(i, depth)] and its
     counts."""
     was_training = objective.training
     objective.eval()
-    out, counts = [], {"tokens": 0, "steps": 0, "rejected": 0}
+    out, counts = [], Counter(tokens=0, steps=0, rejected=0)
     try:
         mine = list(range(rank, len(data), world))
         for a in range(0, len(mine), micro_batch):
@@ -79,7 +80,7 @@ def compute(objective, data, k: int, micro_batch: int, rank: int, world: int, de
                 L = data.lengths[i]
                 depth, c = walk(hits[:, b, :L], trained[b, :L], k)
                 out.append((i, depth))
-                counts = {key: counts[key] + c[key] for key in counts}
+                counts.update(c)
     finally:
         objective.train(was_training)
     return out, counts
@@ -117,13 +118,12 @@ def build_or_read(run_dir: Path, objective, data, k: int, micro_batch: int, rank
         shares = [None] * world
         dist.all_gather_object(shares, (mine, counts))
     offsets = row_offsets(data.lengths)
-    depth = torch.zeros(total, dtype=torch.int8)
-    made = {"rows": len(data), "k": k, "tokens": 0, "steps": 0, "rejected": 0}
+    depth, counted_all = torch.zeros(total, dtype=torch.int8), Counter(tokens=0, steps=0, rejected=0)
     for rows, c in shares:
         for i, d in rows:
             depth[offsets[i]:offsets[i + 1]] = d
-        for key in ("tokens", "steps", "rejected"):
-            made[key] += c[key]
+        counted_all.update(c)
+    made = {"rows": len(data), "k": k, **counted_all}
     made["tau"] = round(made["tokens"] / made["steps"], 4) if made["steps"] else 0.0
     made["seconds"] = round(time.time() - t0, 2)
     if rank == 0:

@@ -109,11 +109,9 @@ class Objective(BaseObjective):
         T = ids.shape[1]
         dtype = parts.lm_head.weight.dtype
         trained = counted(batch)
-        judged = []  # step s at position t is judged only where its token t + 2 + s is trained
-        for s in range(min(k, T - 2)):
-            c = torch.zeros_like(trained)
-            c[:, :T - 2 - s] = trained[:, 2 + s:]
-            judged.append(c)
+        # step s at t is judged where training counts it (its token trained and in the draft vocabulary; one outside
+        # it is never drafted, a miss either way)
+        judged = self.step_positions(batch)[1][:k]
         logits = ttt_forward(self.head, ids, batch["hidden_aux"].to(dtype).flatten(2), batch["attention_mask"],
                              len(judged), keep=judged)
         needed = torch.zeros_like(trained)  # the target's greedy choice of each trained token (the LM head is the cost)
