@@ -13,7 +13,7 @@ states). Two families, measured by `make bench ARGS=runtime`:
                   tokens) captured by torch.compile: mode "reduce-overhead" on CUDA (CUDA graphs), the
                   default mode on the CPU; a prefill (its length differs per prompt) runs eagerly.
 
-Exactness in reduced precision. Speculative decoding at T=0 is lossless only if a position's logits
+Exactness. Speculative decoding at T=0 is lossless only if a position's logits
 do not depend on how many positions share its forward (1 in plain decoding, K+1 in a verify). The
 static runtime is built so that they do not: every attention runs over the whole preallocated cache
 with a mask (the reduction over keys has the same length whatever M is) as two plain matmuls with a
@@ -21,6 +21,9 @@ float32 softmax (torch's fused SDPA is not row-invariant in bf16 here), norms ar
 and bf16 matmuls on this CPU (oneDNN, float32 accumulation) give each row the same result for any
 M >= 2 — a single row goes through a matrix-vector kernel that splits the reduction differently, so a
 1-token bf16 forward runs as 2 rows (the cost is the same: the forward is bound by reading the weights).
+In fp32 on the CPU the linears multiply through weights packed once for oneDNN (specdistill/decoding/linear.py:
+MKL's sgemm behind nn.Linear made a 3-token verify cost up to twice a 1-token forward), which gives each row the
+same result for any M, as do the attention's fp32 matmuls for M >= 2: a 1-token fp32 forward runs as 2 rows too.
 `tests/test_runtime.py` checks the whole forward, row by row. transformers' eager forward is not
 batch-invariant in bf16 (its attention path changes with M), so `eager-bfloat16` can diverge from its
 own plain decoding; the eval JSON then says so (`lossless` false, with each divergence's logit gap).
@@ -32,6 +35,7 @@ import statistics
 import torch
 
 from specdistill import device as devices
+from specdistill.decoding.linear import PackedLinears, packs, plain
 from specdistill.decoding.kv import SlotCache, additive, chain_mask, crop_cache, new_cache, rms_norm, tree_mask
 from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime_names import (  # noqa: F401  (parse_runtime, resolve_runtime_name: imported from here)
@@ -133,8 +137,15 @@ class StaticRuntime:
         self.model, self.name = model, name
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        # fp32 on the CPU multiplies through weights packed once (specdistill/decoding/linear.py); not under
+        # torch.compile, whose graphs capture the modules' own products
+        self.linear = plain
+        if not compiled and packs(self.dtype, self.device):
+            self.linear = PackedLinears([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+        # every product then gives a row the same result for any M >= 2 (the module docstring)
+        self.two_rows = self.dtype != torch.float32 or self.linear is not plain
         self.cache = SlotCache(len(self.layers), self.layers[0].self_attn, inner.rotary_emb, self.dtype,
-                               static_addresses=compiled)
+                               static_addresses=compiled, linear=self.linear)
         self.compiled = None
         if compiled:  # CUDA graphs where they apply; the CPU has none, inductor's default mode there
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
@@ -159,10 +170,10 @@ class StaticRuntime:
 
     def forward(self, ids: torch.Tensor, past: int, hidden: bool = False, logits_to_keep: int = 0,
                 parents: list[int] | None = None, depths: list[int] | None = None):
-        if ids.numel() == 1 and self.dtype != torch.float32:
-            # oneDNN multiplies a single row by another kernel (a matrix-vector product that splits the
-            # reduction differently), so in bf16 a 1-token forward is run as 2 rows: the token and a copy
-            # of it in the next slot, which nothing committed can see (masked, overwritten later).
+        if ids.numel() == 1 and self.two_rows:
+            # A single row goes through other kernels (bf16: oneDNN's matrix-vector product; fp32: the attention's
+            # matmuls) that split reductions differently, so a 1-token forward is run as 2 rows: the token and a
+            # copy of it in the next slot, which nothing committed can see (masked, overwritten later).
             twice = (lambda x: None if x is None else list(x) * 2)
             logits, states = self.forward(ids.repeat(2), past, hidden, 0, twice(parents), twice(depths))
             return logits[:1], ([s[:1] for s in states] if hidden else None)
@@ -194,7 +205,7 @@ class StaticRuntime:
 
     def _layers(self, ids, slots, positions, mask, hidden: bool, logits_to_keep: int):
         """The forward proper, shapes fixed by (M, capacity): what torch.compile captures."""
-        cache = self.cache
+        cache, linear = self.cache, self.linear
         rope = cache.rope(positions)
         x = self.embed(ids[None])
         states = [x] if hidden else None
@@ -202,7 +213,7 @@ class StaticRuntime:
             x = x + cache.attention(i, layer.self_attn, rms_norm(x, layer.input_layernorm), slots, rope, mask)
             h = rms_norm(x, layer.post_attention_layernorm)
             mlp = layer.mlp
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
             if hidden and i + 1 < len(self.layers):
                 states.append(x)
         x = rms_norm(x, self.norm)
@@ -210,7 +221,7 @@ class StaticRuntime:
             states.append(x)  # transformers' convention: the last hidden state is after the final norm
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self.lm_head(x)
+        logits = linear(self.lm_head, x)
         return logits[0], ([s[0] for s in states] if hidden else None)
 
 

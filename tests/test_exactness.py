@@ -8,7 +8,7 @@ engine's own rule is made wrong (a monkeypatch of the function `verify_chain` ca
 temperature scaling): a wrong acceptance test, a wrong residual, a wrong temperature.
 
 T = 0 is checked bit for bit at the real target's shape (SmolLM2-135M: 30 layers, 49k vocabulary, random
-weights) with the thread count a fresh process (the eval) gets.
+weights) with the thread count a fresh process (the eval) gets, in `static-bf16` and in `static-fp32`.
 """
 from __future__ import annotations
 
@@ -140,16 +140,16 @@ def eval_threads() -> int:
     return int(out.stdout)
 
 
-@pytest.fixture(scope="module")
-def smollm2_shaped():
-    """A randomly initialised Llama of SmolLM2-135M's config, in the static-bf16 runtime, at the eval's threads."""
+@pytest.fixture(scope="module", params=[RUNTIME, "static-fp32"])  # fp32: what `auto` gives a CPU without bf16
+def smollm2_shaped(request):
+    """A randomly initialised Llama of SmolLM2-135M's config, in a static runtime, at the eval's threads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     before = torch.get_num_threads()
     torch.set_num_threads(eval_threads())
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, initializer_range=0.05)).eval().requires_grad_(False)
-    yield make_runtime(model, RUNTIME)
+    yield make_runtime(model, request.param)
     torch.set_num_threads(before)
 
 

@@ -1,6 +1,6 @@
 """Runtimes (eval/runtime.py): the static runtime computes what transformers computes, trees included; in
-bf16 a position's logits do not depend on how many positions share its forward (batch invariance), so
-speculative decoding stays token-identical to the same runtime's plain decoding."""
+bf16, and in fp32 on the CPU, a position's logits do not depend on how many positions share its forward (batch
+invariance), so speculative decoding stays token-identical to the same runtime's plain decoding."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 from specdistill.errors import SpecdistillError
 from specdistill.eval.engine import SpeculativeDecoder
 from specdistill.decoding.kv import tree_mask
+from specdistill.decoding.linear import plain
 from specdistill.eval.runtime import make_runtime, parse_runtime
 from tests.conftest import tiny_model
 from tests.test_engine import eagle3_for
@@ -110,6 +111,13 @@ def test_static_bf16_is_batch_invariant():
     """Every row of a multi-token forward equals the same token's 1-token forward, bit for bit (64 tokens:
     the 1-row kernel's rounding differs on a few outputs in 10^4, so fewer rows could miss it)."""
     rows_equal_single_token_forwards(make_runtime(target(**WIDE, initializer_range=0.1), "static-bf16"))
+
+
+def test_static_fp32_is_batch_invariant():
+    """fp32 through packed weights (specdistill/decoding/linear.py): the same bit-for-bit rows as bf16's."""
+    rt = make_runtime(target(**WIDE, initializer_range=0.1), "static-fp32")
+    assert rt.linear is not plain  # packed on this CPU: the check below is the packed path's
+    rows_equal_single_token_forwards(rt)
 
 
 @pytest.mark.parametrize("name", ["static-fp32", "static-bf16"])

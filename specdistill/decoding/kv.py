@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdistill.decoding.linear import plain
 from specdistill.errors import SpecdistillError
 
 
@@ -55,10 +56,12 @@ class SlotCache:
     """Keys and values of some attention layers, preallocated for `capacity` slots and indexed by slot,
     with the rope table of every position: what the static runtime and the static draft head share."""
 
-    def __init__(self, num_layers: int, attn, rotary, dtype: torch.dtype, static_addresses: bool = False):
+    def __init__(self, num_layers: int, attn, rotary, dtype: torch.dtype, static_addresses: bool = False,
+                 linear=plain):
         """static_addresses: the tensors are inputs of a compiled forward, kept at fixed addresses (CUDA graphs
-        replay on the same memory; transformers' StaticCache does the same)."""
-        self.num_layers, self.rotary, self.dtype = num_layers, rotary, dtype
+        replay on the same memory; transformers' StaticCache does the same). linear(module, x): how the attention's
+        projections multiply (specdistill/decoding/linear.py)."""
+        self.num_layers, self.rotary, self.dtype, self.linear = num_layers, rotary, dtype, linear
         self.static_addresses = static_addresses
         self.device = attn.q_proj.weight.device  # the cache lives beside the layers that write it
         self.head_dim = attn.head_dim
@@ -108,18 +111,19 @@ class SlotCache:
         `slots`; mask [1, 1, 1, M, capacity] (True = attend)."""
         cos, sin = rope
         shape = (1, x.shape[1], -1, self.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
+        linear = self.linear
+        q = linear(attn.q_proj, x).view(shape)
+        k = linear(attn.k_proj, x).view(shape)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        v = linear(attn.v_proj, x).view(shape).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         self.keys[i].index_copy_(2, slots, k)
         self.values[i].index_copy_(2, slots, v)
         out = self._attend(q, self.keys[i], self.values[i], mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
+        return linear(attn.o_proj, out.transpose(1, 2).reshape(1, x.shape[1], -1))
 
     def _attend(self, q, k, v, mask):
         """Attention of q [1, H, M, D] over every slot, with the query heads that share a KV head stacked
