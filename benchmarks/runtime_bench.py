@@ -8,7 +8,8 @@ speculative decoding at T=0 (K=4) is token-identical to plain decoding in that r
 transformers' generate() tokens/s with the same weights in the same dtype. `compiled-bf16` is the static
 runtime under torch.compile: its compile time is measured apart (the first compiled forward) and kept out
 of every per-token figure. `eager-fp32` (transformers' forward in float32, the runtime before
-eval/runtime.py existed) is the reference every ratio is taken against. Timers wait for the device.
+eval/runtime.py existed) is the reference every ratio is taken against; `static-fp32 nn.Linear` is static-fp32
+without its packed weights (the baseline of specdistill/decoding/linear.py). Timers wait for the device.
 Writes checkpoints/bench/runtime.json. `make bench ARGS=runtime`.
 """
 from __future__ import annotations
@@ -22,11 +23,14 @@ from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.prompts import load_prompts
-from specdistill.eval.runtime import forward_costs, make_runtime, resolve_runtime_name
+from specdistill.eval.runtime import StaticRuntime, forward_costs, make_runtime, resolve_runtime_name
 from specdistill.recipe import CHECKPOINTS, load_recipe
 from specdistill.target import load_target, load_tokenizer
 
-RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", "static-bf16", "compiled-bf16"]
+# "static-fp32 nn.Linear": the static runtime in fp32 through nn.Linear's own products (MKL's sgemm on the CPU), what
+# static-fp32 ran before its weights were packed for oneDNN (specdistill/decoding/linear.py): that change's baseline
+UNPACKED = "static-fp32 nn.Linear"
+RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", UNPACKED, "static-bf16", "compiled-bf16"]
 PREFIX = 256
 REPEATS = 15
 DECODE_TOKENS = 64
@@ -56,7 +60,10 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device
     now = devices.clock(device)
     model = load_target(recipe.target, device=device)
     draft, _, _ = draft_for(recipe, model)
-    runtime = make_runtime(model, name)
+    if name == UNPACKED:
+        runtime = StaticRuntime(model.to(torch.float32), "static-fp32", pack=False)
+    else:
+        runtime = make_runtime(model, name)
     # The first compiled forwards compile (a decode step, then a verify): timed apart, before anything else.
     runtime.reset(PREFIX + 64)
     runtime.forward(ids[:PREFIX], 0, logits_to_keep=1)  # a prefill runs eagerly in every runtime
@@ -107,13 +114,13 @@ def run(recipe_path: str) -> dict:
 
 
 def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = False) -> dict:
-    """toy: a 16-token prefix, 1 repeat, 4 decoded tokens, two runtimes (the eager-fp32 reference and static-bf16:
-    the others run the same measure(); the compiled one would spend minutes compiling on a CPU): proves the
-    benchmark runs, measures nothing, writes no result."""
+    """toy: a 16-token prefix, 1 repeat, 4 decoded tokens, three runtimes (the eager-fp32 reference, the unpacked
+    static-fp32 and static-bf16: the others run the same measure(); the compiled one would spend minutes compiling on
+    a CPU): proves the benchmark runs, measures nothing, writes no result."""
     global PREFIX, REPEATS, DECODE_TOKENS
     if toy:
         PREFIX, REPEATS, DECODE_TOKENS = 16, 1, 4
-    runtimes = ["eager-fp32", "static-bf16"] if toy else RUNTIMES
+    runtimes = ["eager-fp32", UNPACKED, "static-bf16"] if toy else RUNTIMES
     recipe = load_recipe(recipe_path, ["run_name=bench-toy"] if toy else [])
     device = devices.resolve(recipe.device)
     tokenizer = load_tokenizer(recipe.target)
@@ -135,12 +142,12 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = Fals
     hw = report["hardware"]
     print(f"\ntarget {recipe.target.path}, {recipe.draft.kind} head, {PREFIX}-token cached prefix, {hw['device']} "
           f"({hw.get('gpu') or hw['cpu']}), {hw['threads']} threads, median of {REPEATS}; default runtime: {default}")
-    print(f"{'runtime':13} {'ms M=1':>7} {'M=5':>7} {'M=9':>7} {'v(4)':>5} {'v(5)':>5} {'v(9)':>5} "
+    print(f"{'runtime':21} {'ms M=1':>7} {'M=5':>7} {'M=9':>7} {'v(4)':>5} {'v(5)':>5} {'v(9)':>5} "
           f"{'draft ms':>8} {'d':>5} {'AR tok/s':>8} {'AR vs eager-fp32':>16} {'T=0 exact':>9} {'1st fwd s':>9} "
           f"{'hf tok/s':>8}")
     for name, r in report["runtimes"].items():
         f, v = r["forward_ms"], r["v"]
-        print(f"{name:13} {f['1']:7.1f} {f['5']:7.1f} {f['9']:7.1f} {v['4']:5.2f} {v['5']:5.2f} {v['9']:5.2f} "
+        print(f"{name:21} {f['1']:7.1f} {f['5']:7.1f} {f['9']:7.1f} {v['4']:5.2f} {v['5']:5.2f} {v['9']:5.2f} "
               f"{r['draft_step_ms']:8.2f} {r['d']:5.3f} {r['ar_tokens_per_s']:8.1f} "
               f"{r['ar_tokens_per_s'] / ref['ar_tokens_per_s']:15.2f}x {'yes' if r['t0_exact'] else 'NO':>9} "
               f"{r['first_forwards_s']:9.1f} {r['hf_generate_tokens_per_s']:8.1f}")

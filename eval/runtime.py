@@ -133,14 +133,15 @@ class StaticRuntime:
     order of every reduction in it, is the same for 1 token and for K+1 (see the module docstring).
     """
 
-    def __init__(self, model, name: str, compiled: bool = False):
+    def __init__(self, model, name: str, compiled: bool = False, pack: bool = True):
+        """pack=False keeps nn.Linear's products in fp32 too: the baseline `make bench ARGS=runtime` measures."""
         self.model, self.name = model, name
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
         # fp32 on the CPU multiplies through weights packed once (specdistill/decoding/linear.py); not under
         # torch.compile, whose graphs capture the modules' own products
         self.linear = plain
-        if not compiled and packs(self.dtype, self.device):
+        if pack and not compiled and packs(self.dtype, self.device):
             self.linear = PackedLinears([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
         # every product then gives a row the same result for any M >= 2 (the module docstring)
         self.two_rows = self.dtype != torch.float32 or self.linear is not plain
