@@ -172,7 +172,9 @@ def ours_at(result: dict | None, temperature: float, k: int) -> dict | None:
             main = int(result.get("k", -1)) == k  # alpha per depth and per-prompt counts are the main K's
             return {"tau": tau, "tau_ci95": ci, "alpha_at": r.get("alpha_at") if main else None,
                     "per_prompt": r.get("per_prompt") if main else None,
-                    "speedup": (r.get("speedup_by_k") or {}).get(str(k)), "lossless": r.get("lossless")}
+                    "speedup": (r.get("speedup_by_k") or {}).get(str(k)), "lossless": r.get("lossless"),
+                    # our engine's speed beside vLLM's (the fastest plain decoding may be vLLM's own)
+                    "plain_tokens_per_s": r.get("baseline_tokens_per_s")}
     return None
 
 

@@ -284,3 +284,45 @@ def test_vllm_cpu_expand_bug_is_seen_and_patched():
                          cwd=layout.REPO_ROOT)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert before["checked"] and after["got"] == [0.5, 0.5, 2.0] and after["broken"] is False
+
+
+def test_the_report_sets_our_plain_and_our_chain_beside_vllms_plain():
+    """The fastest plain decoding timed in a run may be vLLM's: the served summary says how ours compare with it."""
+    from specdistill.eval.served_tables import served_summary, speed_line
+
+    served = {"tau": 1.5, "alpha_at": [0.5], "tokens_per_s": 20.0}
+    head = {"name": "vllm-eagle3", "fit_to_deploy": True, "results": [
+        {"temperature": 0.0, "ours": {"tau": 1.5, "plain_tokens_per_s": 15.0, "speedup": 1.2}, **served},
+        {"temperature": 1.0, "ours": {"tau": 1.5, "plain_tokens_per_s": 14.0, "speedup": 0.5}, **served}]}
+    record = {"k": 2, "engines": [head], "plain": {"results": [{"temperature": 1.0, "tokens_per_s": 99.0},
+                                                               {"temperature": 0.0, "tokens_per_s": 30.0}]}}
+    want = ("- plain decoding at T=0: vLLM 30.0 tokens/s, our engine 15.0 (0.50× vLLM's); "
+            "our chain (K=2) 18.0 tokens/s, 0.60× vLLM's plain")
+    assert speed_line(record) == want
+    assert want in served_summary(record).splitlines()
+    del head["results"][0]["ours"]["plain_tokens_per_s"]  # a record written before ours carried it: no line
+    assert speed_line(record) is None
+
+
+def test_report_sets_vllms_plain_decoding_under_the_evals_fastest(recipe):
+    """Line 3 of report.md: the plain decoding vLLM timed in the served stage beside ours (64 tokens/s against 32)."""
+    import argparse
+
+    from specdistill.eval import report
+
+    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(400, 0.62, 1.48)])
+    evaluated = ours(1.50, [1.40, 1.60])
+    evaluated["results"][0]["baseline_tokens_per_s"] = 32.0
+    entry = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), worker_output([(0, []), (0, [])]),
+                           evaluated, 2)
+    entry.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
+    entry["fit_to_deploy"], entry["not_fit_because"] = served.verdict(entry)
+    record = {"checkpoint": "step-0000400", "k": 2, "vllm_version": "0.32.0", "engines": [entry],
+              "plain": served.compare(worker_output([(0, []), (0, [])]), None, None, 2), "hardware": {}}
+    (run_dir / "served").mkdir()
+    (run_dir / "served" / "step-0000400.json").write_text(json.dumps(record))
+    report.run(recipe, argparse.Namespace(runs=None))
+    lines = (run_dir / "report.md").read_text().splitlines()
+    assert lines[1].startswith("- **Speedup over the fastest plain decoding")
+    assert lines[2] == ("- **Plain decoding timed by `specdistill served` (vLLM, same prompts), T=0:** vLLM 64.0 "
+                        "tokens/s, our engine 32.0 (0.50× vLLM's); our chain (K=2) 35.2 tokens/s, 0.55× vLLM's plain")
