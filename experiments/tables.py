@@ -322,7 +322,7 @@ def draft_opd(results: dict) -> list[list[str]]:
 
 
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_side_by_side, "arms-screen": arms,
-                                                      "scaling": scaling, "runtime-bench": runtimes,
+                                                      "scaling": scaling, "runtime-bench": runtimes, "runtime-bench-avx2": runtimes,
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
                                                       "served-parity": served, "default-90min-avx2": planned_run,
