@@ -5,7 +5,8 @@ has no native bf16, so a recipe sized on one machine overruns on the next. The p
 it runs prepare, cache, train, eval (twice, at two decode lengths), workloads (one prompt each), export and report at
 a few rows in a scratch
 run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows and train.max_steps down together
-(never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits.
+(never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits;
+where the eval's fixed costs alone leave no room, with a lighter eval (LIGHT_EVAL) first.
 On a CPU without native bf16 it also moves the run to fp32; on a CPU with it and `eval.runtime: auto`, it first times a
 K+1-token verify in static-bf16 and static-fp32 (eval/runtime.py `verify_costs`) and moves the eval to fp32 where
 that verifies faster (both Intel Xeons measured: their bf16 forwards cost more than fp32's). It writes <run_dir>/plan.json; every later stage of
@@ -40,6 +41,9 @@ PROBE_TOKENS = (8, 24)  # two decode lengths: their difference is the eval's cos
 VLLM_START_S = 105.0  # one vLLM engine's start-up, median of 4 in experiments/served-parity (AVX2 EPYC, 2 cores)
 VLLM_OVER_OURS = 2.0  # vLLM's plain tokens/s over our static-fp32 plain decoding there (26.6 vs 14.0, rounded)
 MIN_ROWS = 64
+# Where the recipe's eval leaves no room in the budget (a slow CPU): 1 MT-bench prompt per category, K as the recipe
+# sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's prompts, so it shrinks too.
+LIGHT_EVAL = {"eval.num_prompts": 8, "eval.tuning_prompts": 0, "eval.workload_prompts": 2}
 AIM = 0.95  # the plan aims 5% under the budget: the same work's time varies by a few percent on a shared machine
 
 
@@ -191,10 +195,19 @@ def fit(recipe, m: dict, budget_s: float, spent_s: float) -> float:
     available = rows_to_cache(recipe, m["corpus_rows"])
     too_few = available >= MIN_ROWS and scale * available < MIN_ROWS  # a smaller corpus is all cached, or nothing
     if scale <= 0 or too_few:
+        parts = {"plan": spent_s, **estimate(recipe, m, 0.0)}
         raise SpecdistillError(f"budget_minutes={recipe.budget_minutes:g}: the stages' fixed costs alone take "
-                               f"{fixed / 60:.0f} min on this machine, leaving room for under {MIN_ROWS} rows; raise "
+                               f"{fixed / 60:.0f} min on this machine ("
+                               + ", ".join(f"{k} {v / 60:.0f}" for k, v in parts.items() if v >= 30)
+                               + f"), leaving room for under {MIN_ROWS} rows; raise "
                                "budget_minutes, or set budget_minutes=null to run the recipe's sizes")
     return scale
+
+
+def lighter_eval(recipe) -> list[str]:
+    """Overrides that shrink the eval's, the workloads stage's and the served stage's fixed costs (LIGHT_EVAL's
+    counts, never more than the recipe's): what the plan falls back to where the recipe's own counts leave no room."""
+    return [f"{key}={min(value, getattr(recipe.eval, key.split('.')[1]))}" for key, value in LIGHT_EVAL.items()]
 
 
 def sizes(recipe, scale: float, corpus_rows: int | None) -> dict:
@@ -227,7 +240,17 @@ def run(recipe, args) -> dict | None:
     if runtime_ms:
         m["verify_ms"] = runtime_ms
     spent = time.time() - t0
-    scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
+    try:
+        scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
+    except SpecdistillError as full:  # a slow machine: a lighter eval before giving up
+        lighter = lighter_eval(planned)
+        planned = load_recipe(recipe.source, [*overrides, *lighter])
+        try:
+            scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
+        except SpecdistillError as light:
+            raise SpecdistillError(f"{full}; with a lighter eval ({' '.join(lighter)}) still: {light}") from None
+        print(f"plan: {full}; so the eval is lighter: {' '.join(lighter)}")
+        moves += lighter
     stages = {"plan": spent, **estimate(planned, m, scale)}
     plan = {"for": plan_key(recipe), "budget_minutes": recipe.budget_minutes,
             "machine": devices.cpu_isa() if device.type == "cpu" else str(device),

@@ -62,6 +62,34 @@ def test_the_fit_fills_the_budget_and_never_grows_the_recipe(tmp_path):
         fit(recipe, RATES, 400.0, spent_s=0.0)
 
 
+def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, monkeypatch):
+    """A slow machine (RATES in a 10-minute budget): the recipe's 16 + 8 prompts and 4 per workload take 10.5 min
+    alone, so the plan falls back to LIGHT_EVAL's counts, which every stage then applies; a budget even that cannot
+    fit names each stage's fixed minutes."""
+    from argparse import Namespace
+
+    from specdistill import plan_stage
+
+    monkeypatch.setattr(plan_stage, "probe", lambda recipe, overrides: dict(RATES))  # this machine, as measured
+    monkeypatch.setattr(plan_stage, "fp32_overrides", lambda recipe, device: [])
+    monkeypatch.setattr(plan_stage, "runtime_overrides", lambda recipe, device: ([], None))
+    given = [f"output_dir={tmp_path}", "served.enabled=false", "budget_minutes=10"]
+    recipe = load_recipe(DEFAULT, given)
+    with pytest.raises(SpecdistillError, match="fixed costs alone take 11 min"):
+        fit(recipe, RATES, 600 * AIM, spent_s=0.0)
+    plan = plan_stage.run(recipe, Namespace(overrides=given))
+    assert plan["overrides"][:3] == ["eval.num_prompts=8", "eval.tuning_prompts=0", "eval.workload_prompts=2"]
+    planned = default_recipe(tmp_path, "budget_minutes=10")
+    assert (planned.eval.num_prompts, planned.eval.tuning_prompts, planned.eval.workload_prompts) == (8, 0, 2)
+    assert planned.corpus.max_rows >= 64 and plan["total_s"] <= 600
+    given[-1] = "budget_minutes=5"
+    layout.plan_path(recipe.run_dir).unlink()
+    with pytest.raises(SpecdistillError, match=r"with a lighter eval \(eval.num_prompts=8 .*\) still: budget_minutes=5: "
+                                               r"the stages' fixed costs alone take 7 min on this machine "
+                                               r"\(train 3, eval 2, workloads 1\)"):
+        plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
+
+
 def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
     recipe = default_recipe(tmp_path)
     plan = layout.plan_path(recipe.run_dir)
