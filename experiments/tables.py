@@ -326,7 +326,6 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "default-muon-2proc": default_run, "peer": peer, "peer-bf16": peer,
                                                       "default-5k-amx": default_run_chosen_k, "default-8k-amx": default_run_chosen_k,
                                                       "served-parity": served, "default-90min-avx2": planned_run,
-                                                      "default-90min-avx2-unpacked": planned_run,
                                                       "default-90min-avx512": planned_run,
                                                       "default-90min-xeon": planned_run, "by-workload-xeon": by_workload,
                                                       "runtime-choice-xeon": runtime_choice,
