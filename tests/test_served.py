@@ -240,15 +240,16 @@ def test_missing_vllm_and_a_readme_without_a_serve_line_are_one_line_errors(tmp_
         served.readme_serve_command(tmp_path)
 
 
-def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(recipe):
-    """The parity gate in the report: a served tau outside our interval is said before anything else."""
+def report_with_served(recipe, evaluated: dict) -> str:
+    """report.md of a run whose checkpoint 400 was evaluated and served (served tau 1.70, vLLM plain 64 tokens/s),
+    `evaluated`: our eval's result for it."""
     import argparse
 
     from specdistill.eval import report
 
     run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(400, 0.62, 1.48)])
     entry = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), worker_output([(0, []), (0, [])]),
-                           ours(1.95, [1.90, 2.00]), 2)
+                           evaluated, 2)
     entry.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
     entry["fit_to_deploy"], entry["not_fit_because"] = served.verdict(entry)
     record = {"checkpoint": "step-0000400", "k": 2, "vllm_version": "0.32.0", "engines": [entry],
@@ -256,7 +257,12 @@ def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(recipe):
     (run_dir / "served").mkdir()
     (run_dir / "served" / "step-0000400.json").write_text(json.dumps(record))
     report.run(recipe, argparse.Namespace(runs=None))
-    first_screen = (run_dir / "report.md").read_text().split("Produced from")[0]
+    return (run_dir / "report.md").read_text()
+
+
+def test_report_puts_a_head_not_fit_to_deploy_on_its_first_screen(recipe):
+    """The parity gate in the report: a served tau outside our interval is said before anything else."""
+    first_screen = report_with_served(recipe, ours(1.95, [1.90, 2.00])).split("Produced from")[0]
     assert "`vllm-eagle3` NOT fit to deploy: T=0: served tau 1.700 outside ours 1.950 [1.900, 2.000]" in first_screen
     assert "| vllm-eagle3 | 0 | 1.700" in first_screen
 
@@ -306,23 +312,9 @@ def test_the_report_sets_our_plain_and_our_chain_beside_vllms_plain():
 
 def test_report_sets_vllms_plain_decoding_under_the_evals_fastest(recipe):
     """Line 3 of report.md: the plain decoding vLLM timed in the served stage beside ours (64 tokens/s against 32)."""
-    import argparse
-
-    from specdistill.eval import report
-
-    run_dir = write_run(recipe.run_dir.parent, "runA", [eval_json(400, 0.62, 1.48)])
     evaluated = ours(1.50, [1.40, 1.60])
     evaluated["results"][0]["baseline_tokens_per_s"] = 32.0
-    entry = served.compare(worker_output([(10, [6, 3]), (10, [4, 1])]), worker_output([(0, []), (0, [])]),
-                           evaluated, 2)
-    entry.update(tensors={"not_loaded": {}, "dropped": [], "shared_with_target": []})
-    entry["fit_to_deploy"], entry["not_fit_because"] = served.verdict(entry)
-    record = {"checkpoint": "step-0000400", "k": 2, "vllm_version": "0.32.0", "engines": [entry],
-              "plain": served.compare(worker_output([(0, []), (0, [])]), None, None, 2), "hardware": {}}
-    (run_dir / "served").mkdir()
-    (run_dir / "served" / "step-0000400.json").write_text(json.dumps(record))
-    report.run(recipe, argparse.Namespace(runs=None))
-    lines = (run_dir / "report.md").read_text().splitlines()
+    lines = report_with_served(recipe, evaluated).splitlines()
     assert lines[1].startswith("- **Speedup over the fastest plain decoding")
     assert lines[2] == ("- **Plain decoding timed by `specdistill served` (vLLM, same prompts), T=0:** vLLM 64.0 "
                         "tokens/s, our engine 32.0 (0.50× vLLM's); our chain (K=2) 35.2 tokens/s, 0.55× vLLM's plain")
