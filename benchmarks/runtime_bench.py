@@ -23,7 +23,7 @@ from benchmarks.decode_bench import draft_for
 from specdistill import device as devices
 from specdistill.eval.engine import SpeculativeDecoder, eos_token_ids
 from specdistill.eval.prompts import load_prompts
-from specdistill.eval.runtime import StaticRuntime, forward_costs, make_runtime, resolve_runtime_name
+from specdistill.eval.runtime import forward_costs, make_runtime, resolve_runtime_name
 from specdistill.recipe import CHECKPOINTS, load_recipe
 from specdistill.target import load_target, load_tokenizer
 
@@ -60,10 +60,7 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device
     now = devices.clock(device)
     model = load_target(recipe.target, device=device)
     draft, _, _ = draft_for(recipe, model)
-    if name == UNPACKED:
-        runtime = StaticRuntime(model.to(torch.float32), "static-fp32", pack=False)
-    else:
-        runtime = make_runtime(model, name)
+    runtime = make_runtime(model, "static-fp32", pack=False) if name == UNPACKED else make_runtime(model, name)
     # The first compiled forwards compile (a decode step, then a verify): timed apart, before anything else.
     runtime.reset(PREFIX + 64)
     runtime.forward(ids[:PREFIX], 0, logits_to_keep=1)  # a prefill runs eagerly in every runtime

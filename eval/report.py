@@ -268,9 +268,9 @@ def vllm_plain_head(best: dict, run_dirs: dict[str, Path]) -> str | None:
     checkpoint: the fastest plain decoding of the run may be vLLM's (eval/served_tables.py speed_line)."""
     run_dir = run_dirs.get(best.get("_run"))
     path = layout.served_dir(run_dir) / f"{best.get('checkpoint')}.json" if run_dir else None
-    line = speed_line(read_json(path)) if path and path.is_file() else None
-    return line and line.replace("- plain decoding at T=0:", "- **Plain decoding timed by `specdistill served` "
-                                 "(vLLM, same prompts), T=0:**", 1)
+    if not (path and path.is_file()):
+        return None
+    return speed_line(read_json(path), "**Plain decoding timed by `specdistill served` (vLLM, same prompts), T=0:**")
 
 
 def served_section(run_dirs: dict[str, Path]) -> str:

@@ -52,8 +52,9 @@ VERIFY_MARGIN = 0.95  # fp32 is chosen over the default only where its verify co
 COMPILE_MAX_TOKENS = 64
 
 
-def make_runtime(model, name: str):
-    """The target `model` wrapped in runtime `name` (or `auto`), its weights cast to the runtime's dtype (in place)."""
+def make_runtime(model, name: str, pack: bool = True):
+    """The target `model` wrapped in runtime `name` (or `auto`), its weights cast to the runtime's dtype (in place).
+    pack=False: a static runtime keeps nn.Linear's products in fp32 too (StaticRuntime)."""
     name = resolve_runtime_name(name, model.config)
     family, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
@@ -62,7 +63,7 @@ def make_runtime(model, name: str):
             raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
                                    f"without sliding-window attention, not this '{model.config.model_type}'; "
                                    f"use eager-{name.split('-')[1]}")
-        return StaticRuntime(model, name, compiled=family == "compiled")
+        return StaticRuntime(model, name, compiled=family == "compiled", pack=pack)
     return EagerRuntime(model, name)
 
 

@@ -32,16 +32,16 @@ def verdict_lines(record: dict) -> list[str]:
     return lines
 
 
-def speed_line(record: dict) -> str | None:
-    """Plain decoding in vLLM against ours, and our chain over vLLM's plain (T=0): the fastest plain decoding timed in
-    a run may be vLLM's, and a speedup over our own plain decoding alone would hide it."""
+def speed_line(record: dict, label: str = "plain decoding at T=0:") -> str | None:
+    """Plain decoding in vLLM against ours, and our chain over vLLM's plain (T=0), after `label`: the fastest plain
+    decoding timed in a run may be vLLM's, and a speedup over our own plain decoding alone would hide it."""
     plain = next((r for r in record.get("plain", {}).get("results", []) if r["temperature"] == 0), None)
     head = next((e for e in record.get("engines", []) if e.get("fit_to_deploy") is not None), None)
     ours = next((r.get("ours") or {} for r in (head or {}).get("results", []) if r["temperature"] == 0), {})
     if not plain or not plain.get("tokens_per_s") or not ours.get("plain_tokens_per_s"):
         return None
     vllm = plain["tokens_per_s"]
-    line = (f"- plain decoding at T=0: vLLM {vllm:.1f} tokens/s, our engine {ours['plain_tokens_per_s']:.1f} "
+    line = (f"- {label} vLLM {vllm:.1f} tokens/s, our engine {ours['plain_tokens_per_s']:.1f} "
             f"({ours['plain_tokens_per_s'] / vllm:.2f}× vLLM's)")
     if ours.get("speedup"):  # over our plain decoding, at the served K
         chain = ours["speedup"] * ours["plain_tokens_per_s"]

@@ -189,13 +189,13 @@ def heldout_scoring_s(recipe, m: dict) -> float:
 
 def fit(recipe, m: dict, budget_s: float, spent_s: float) -> float:
     """The largest scale <= 1 whose estimate fits the budget (every stage is linear in the scale)."""
-    fixed = sum(estimate(recipe, m, 0.0).values()) + spent_s
+    parts = {"plan": spent_s, **estimate(recipe, m, 0.0)}
+    fixed = sum(parts.values())
     per_unit = sum(estimate(recipe, m, 1.0).values()) + spent_s - fixed
     scale = min(1.0, (budget_s - fixed) / per_unit) if per_unit > 0 else 1.0
     available = rows_to_cache(recipe, m["corpus_rows"])
     too_few = available >= MIN_ROWS and scale * available < MIN_ROWS  # a smaller corpus is all cached, or nothing
     if scale <= 0 or too_few:
-        parts = {"plan": spent_s, **estimate(recipe, m, 0.0)}
         raise SpecdistillError(f"budget_minutes={recipe.budget_minutes:g}: the stages' fixed costs alone take "
                                f"{fixed / 60:.0f} min on this machine ("
                                + ", ".join(f"{k} {v / 60:.0f}" for k, v in parts.items() if v >= 30)
