@@ -191,3 +191,21 @@ def test_static_eagle3_head_computes_what_the_head_computes():
             want = head(step[None], want[:, -1:], torch.tensor([[start]]), past_key_values=cache)
             got = static.forward(step, got[:, -1:], start)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_static_eagle3_drafter_projects_and_scores_as_the_head_through_packed_weights():
+    """In fp32 on the CPU the static drafter multiplies through packed weights (fc and lm_head too): the same
+    numbers as the head's own nn.Linear products, within fp32 rounding."""
+    from specdistill.decoding.linear import PackedLinears
+    from specdistill.kinds.eagle3.drafter import drafter
+
+    model = target()
+    head = eagle3_for(model, list(range(0, V, 4)))
+    static = drafter(head, model, static=True)
+    assert isinstance(static.linear, PackedLinears) and static.static.cache.linear is static.linear
+    torch.manual_seed(5)
+    features = torch.randn(1, 4, len(head.aux_layers) * model.config.hidden_size)
+    with torch.no_grad():
+        state = static.project(features)
+        torch.testing.assert_close(state, head.project(features), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(static.head.logits(state, static.linear), head.logits(state), atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ import torch
 
 from specdistill.errors import SpecdistillError
 from specdistill.decoding.kv import SlotCache, chain_mask, rms_norm
+from specdistill.decoding.linear import PackedLinears, packs, plain
 from specdistill.decoding.sampling import probs_from_logits, sample
 from specdistill.kinds.common.heads import HeadDrafter
 from specdistill.kinds.eagle3.model import Eagle3Head
@@ -23,7 +24,13 @@ class StaticEagle3Head:
         self.head = head
         layer = head.layers[0]
         self.layer = layer
-        self.cache = SlotCache(1, layer.self_attn, head.rotary_emb, head.fc.weight.dtype)
+        # fp32 on the CPU: every product through weights packed once, as the target's (decoding/linear.py); a
+        # draft step through nn.Linear cost 5-8% of a target forward on the AVX2 EPYC (runtime-bench-avx2's d)
+        weight = head.fc.weight
+        self.linear = plain
+        if packs(weight.dtype, weight.device):
+            self.linear = PackedLinears([m for m in head.modules() if isinstance(m, torch.nn.Linear)])
+        self.cache = SlotCache(1, layer.self_attn, head.rotary_emb, weight.dtype, linear=self.linear)
 
     def reset(self, capacity: int) -> None:
         self.cache.reset(capacity)
@@ -37,9 +44,9 @@ class StaticEagle3Head:
         emb = self.head.embed_tokens(ids[None]).to(state.dtype)
         x = torch.cat([rms_norm(emb, layer.input_layernorm), rms_norm(state, layer.hidden_norm)], dim=-1)
         h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
-        mlp = layer.mlp
+        mlp, linear = layer.mlp, self.linear
         g = rms_norm(h, layer.post_attention_layernorm)
-        return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(g)) * mlp.up_proj(g))
+        return h + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, g)) * linear(mlp.up_proj, g))
 
 
 class Eagle3Drafter(HeadDrafter):
@@ -54,6 +61,7 @@ class Eagle3Drafter(HeadDrafter):
         self.draft_ids = head.draft_ids
         self.vocab = head.config.vocab_size
         self.static = StaticEagle3Head(head) if static else None  # the static runtime's lean drafting forward
+        self.linear = self.static.linear if static else plain  # fc and lm_head multiply as the static forward does
 
     def reset(self, capacity: int = 0) -> None:
         if self.static is None:
@@ -69,13 +77,13 @@ class Eagle3Drafter(HeadDrafter):
         return self.head.target_features(hidden_states, self.head.aux_layers)
 
     def project(self, features):
-        return self.head.project(features)
+        return self.head.project(features, self.linear)
 
     def to_target(self, ids):
         return self.draft_ids[ids]
 
     def pick(self, h, temperature, generator):
-        logits = self.head.logits(h)
+        logits = self.head.logits(h, self.linear)
         if temperature == 0:
             return self.to_target(logits.argmax(-1)), None
         qd = probs_from_logits(logits, temperature)

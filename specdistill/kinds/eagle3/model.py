@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoModel
 
 from specdistill import formats, layout
+from specdistill.decoding.linear import plain
 from specdistill.errors import SpecdistillError
 from specdistill.kinds.common.llama_layer import init_layer_from_target, llama_layer_config, require_same_names
 from specdistill.kinds.common.released import check_fits, load_state, read_released
@@ -143,12 +144,13 @@ class Eagle3Head(nn.Module):
         """What the head reads from one target forward: the aux states side by side [.., A*H]."""
         return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)
 
-    def project(self, aux_features: torch.Tensor) -> torch.Tensor:
+    def project(self, aux_features: torch.Tensor, linear=plain) -> torch.Tensor:
+        """linear(module, x): how fc multiplies (the static drafter's packed weights, decoding/linear.py)."""
         x = aux_features.to(self.fc.weight.dtype)
         if self.fc_norm is not None:  # vLLM combine_hidden_states: cat(fc_norm[i](chunk i)), then fc
             chunks = x.chunk(len(self.fc_norm), dim=-1)
-            return self.fc(torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1))
-        return self.fc(x * self.aux_scale.to(self.fc.weight.dtype))
+            return linear(self.fc, torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1))
+        return linear(self.fc, x * self.aux_scale.to(self.fc.weight.dtype))
 
     def forward(self, input_ids, state, position_ids, past_key_values=None, attention_mask=None):
         """input_ids[:, t] = x[t+1], state = fc output (step 0) or the head's own previous output.
@@ -169,9 +171,9 @@ class Eagle3Head(nn.Module):
         h = residual + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, linear=plain) -> torch.Tensor:
         """Draft-vocabulary logits [.., Vd]; map ids to the target's with `draft_ids`."""
-        return self.lm_head(self.norm(h))
+        return linear(self.lm_head, self.norm(h))
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
