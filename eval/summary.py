@@ -93,9 +93,10 @@ def resamples(n: int, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0):
         yield [rng.randrange(n) for _ in range(n)]
 
 
-def interval(xs) -> list[float]:
-    xs = sorted(xs)
-    return [xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]]
+def interval(xs, level: float = 0.95) -> list[float]:
+    """The percentile interval holding `level` of xs (95% unless a family of tests asks for more)."""
+    xs, tail = sorted(xs), (1 - level) / 2
+    return [xs[int(tail * (len(xs) - 1))], xs[int(round((1 - tail) * (len(xs) - 1)))]]
 
 
 def bootstrap_per_prompt(records: list[dict], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:

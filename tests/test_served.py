@@ -204,8 +204,32 @@ def test_parity_gate_pairs_prompts_so_a_drafter_equal_in_both_passes_and_a_bette
     better = served.compare(worker_output([(20, [10 + d]) for d in [4, 3] * 4], temperature=1.0), plain, ours_t1, 2)
     better.update(tensors=tensors)
     fit, why = served.verdict(better)
-    assert not fit and why == ["T=1: served tau 1.675 against ours 1.500: the gap's interval [+0.156, +0.194] "
+    assert not fit and why == ["T=1: served tau 1.675 against ours 1.500: the gap's 95% interval [+0.156, +0.194] "
                                "(prompts paired) leaves 0"]
+
+
+def test_parity_gate_tests_each_temperature_at_the_gates_error_shared_out():
+    """A head at parity fails the gate by chance in at most 5% of runs, over both temperatures together: each is
+    tested at 97.5% (Bonferroni). The per-prompt gaps are shaped like default-90min-avx2's at T=1 (2026-12-07),
+    whose 95% interval [-0.106, -0.004] left 0 and called the head unfit while the other runs recorded a T=1 gap of
+    +0.003, +0.009 and +0.063 (its 97.5% interval holds 0). Tested alone, the same temperature gets 95%."""
+    gaps = [5, 13, -19, -22, 0, -50, -8, -10, 0, 5, -3, -16, 0, -8, 1, 0]  # served - ours, in hundredths of tau
+    ours_both = ours(1.5, [1.5, 1.5])
+    ours_both["results"][0]["per_prompt"] = [{"tokens": 150, "steps": 100}] * len(gaps)
+    ours_both["results"].append({**ours_both["results"][0], "temperature": 1.0})
+    runs = [worker_output([(100, [50 + g * (t == 1.0)]) for g in gaps], t, lambda i: [i] * 200)["runs"][0]
+            for t in (0.0, 1.0)]
+    plain = {"runs": [worker_output([(0, [])] * len(gaps), t, lambda i: [i] * 200)["runs"][0] for t in (0.0, 1.0)]}
+    tensors = {"not_loaded": {}, "dropped": [], "shared_with_target": []}
+    both = served.compare({"name": "vllm-eagle3", "serve": ["vllm"], "runs": runs}, plain, ours_both, 2)
+    both.update(tensors=tensors)
+    t1 = both["results"][1]
+    assert t1["gate_level"] == pytest.approx(0.975) and t1["tau_gap_ci95"][1] < 0 < t1["tau_gap_ci_gate"][1]
+    assert served.verdict(both) == (True, [])
+    alone = served.compare({"name": "vllm-eagle3", "serve": ["vllm"], "runs": runs[1:]}, plain, ours_both, 2)
+    alone.update(tensors=tensors)
+    fit, why = served.verdict(alone)
+    assert not fit and why[0].startswith("T=1: served tau 1.430 against ours 1.500: the gap's 95% interval [-0.145")
 
 
 def test_a_t0_divergence_that_vllms_headless_methods_share_is_vllms_not_the_heads():
