@@ -12,8 +12,9 @@ Served tau and alpha come from vLLM's own counters (drafts, accepted tokens, acc
 definitions of docs (metrics): tau = tokens / verification steps, alpha_at[i] = accepted at depth i / reached
 depth i. They are set beside what `specdistill eval` measured with our engine for the same checkpoint and K.
 Parity is a gate: a head is fit to deploy when every draft tensor was loaded (vLLM does not check this
-itself), vLLM's speculative output equals vLLM's plain output at T=0, and at every temperature the 95%
-interval of served tau minus ours, prompts resampled in pairs (the same prompts decoded by both), holds 0.
+itself), vLLM's speculative output equals vLLM's plain output at T=0, and at every temperature the interval of
+served tau minus ours, prompts resampled in pairs (the same prompts decoded by both), holds 0: a 97.5% interval
+for each of two temperatures (GATE_ERROR shared out, so a head at parity fails in at most 5% of runs).
 An older eval result without per-prompt counts falls back to served tau inside our interval: a test of one
 point against one interval, which a drafter identical in both fails by chance (a 0.002 miss happened).
 The verdict goes into served/<checkpoint>.json, the export's
