@@ -287,7 +287,8 @@ def served_section(run_dirs: dict[str, Path]) -> str:
     return ("## Served by vLLM: the exports measured where they are deployed\n"
             "`specdistill served` serves each export with the command its README gives and decodes the same "
             "prompts in vLLM. Fit to deploy: every tensor loaded, vLLM lossless at T=0, and at each temperature the "
-            "interval of served τ − ours (prompts paired; 97.5% each for two temperatures) holds 0.\n\n" + "\n".join(parts) + "\n")
+            "interval of served τ − ours (prompts paired; a 5% error shared over the temperatures) holds 0.\n\n"
+            + "\n".join(parts) + "\n")
 
 
 def notes(evals: list[dict], key: str) -> str:
