@@ -12,6 +12,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+DEFAULT_RECIPE = "recipes/smollm2-135m-eagle3.yaml"
+
+
+def as_distill_runs_here(overrides=()) -> list[str]:
+    """The default recipe's overrides as `make distill` would run them on this CPU: plus the plan's fp32 overrides
+    where bf16 is emulated (no AVX-512 BF16, no AMX; ~8x slower), none elsewhere."""
+    from specdistill.plan_stage import fp32_overrides
+    from specdistill.recipe import load_recipe
+
+    return [*overrides, *fp32_overrides(load_recipe(DEFAULT_RECIPE, list(overrides), planned=False),
+                                        torch.device("cpu"))]
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,9 @@ import importlib
 import inspect
 
 import pytest
-import torch
 
 from benchmarks import run
-from specdistill.plan_stage import fp32_overrides
-from specdistill.recipe import load_recipe
-
-DEFAULT = "recipes/smollm2-135m-eagle3.yaml"  # the benches' default recipe
+from tests.conftest import as_distill_runs_here
 
 pytestmark = pytest.mark.slow  # the real default target, DeepSpeed launches: ~minutes together on 2 cores
 
@@ -25,8 +21,8 @@ def test_bench_runs_at_toy_size(name, tmp_path, monkeypatch):
     main = importlib.import_module(run.BENCHES[name]).main
     # as `make distill` runs here: fp32 where bf16 is emulated (no AVX-512 BF16, no AMX; the hybrid bench took 6-7
     # minutes of make test in emulated bf16 on an AVX2 EPYC), for the benches that take a recipe's overrides
-    here = fp32_overrides(load_recipe(DEFAULT, planned=False), torch.device("cpu"))
-    assert run.main(["--toy", name, *(here if "overrides" in inspect.signature(main).parameters else [])]) == 0
+    here = as_distill_runs_here() if "overrides" in inspect.signature(main).parameters else []
+    assert run.main(["--toy", name, *here]) == 0
     if name == "hybrid":  # chat + the four categories, one prompt each, and their mix; every decode lossless
         import json
 

@@ -7,20 +7,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from specdistill import layout
 from specdistill.eval.results import recipe_runtime
 from specdistill.eval.workload_tables import DRAFTERS
 from specdistill.eval.workloads import WORKLOADS
 from specdistill.formats import read_manifest
-from specdistill.plan_stage import fp32_overrides
 from specdistill.recipe import load_recipe
+from tests.conftest import DEFAULT_RECIPE as DEFAULT, as_distill_runs_here
 from tests.test_evaluate import check_consistent
 
 pytestmark = pytest.mark.slow
 
-DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 TOY = ["corpus.max_rows=40", "corpus.max_length=192", "train.max_steps=4", "train.save_every=2",
        "train.micro_batch_size=4", "train.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=12",
        "eval.temperature=[0, 1]", "eval.tuning_prompts=1", "eval.comparators=false", "eval.checkpoints=last",
@@ -41,7 +39,7 @@ def test_make_distill_pipeline_on_default_target(tmp_path):
                TOKENIZERS_PARALLELISM="false")
     # as `make distill` runs here: where bf16 is emulated (no AVX-512 BF16, no AMX) the plan moves the run to fp32
     # (on an AVX2 EPYC this test took 14 of make test's 57 minutes in emulated bf16)
-    toy = TOY + fp32_overrides(load_recipe(DEFAULT, TOY, planned=False), torch.device("cpu"))
+    toy = as_distill_runs_here(TOY)
     for stage in STAGES:  # as `make distill` runs it: one process per stage
         run_stages([sys.executable, "-m", "specdistill.cli", stage, "--recipe", DEFAULT, *toy], env, stage)
     run = tmp_path / "e2e"
