@@ -5,8 +5,11 @@ has no native bf16, so a recipe sized on one machine overruns on the next. The p
 it runs prepare, cache, train, eval (twice, at two decode lengths), workloads (one prompt each), export and report at
 a few rows in a scratch
 run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows and train.max_steps down together
-(never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits;
-where the eval's fixed costs alone leave no room, with a lighter eval (LIGHT_EVAL) first.
+(never up: the recipe's sizes are the most it asks for) until the estimated total, the probe included, fits.
+The run measures as well as learns, but measuring never gets more time than learning: where the recipe's eval
+(the eval, workloads and served stages) would take longer than the cache pass and training at the fitted sizes
+(a slow CPU: the eval's decoding does not shrink with the rows), or leaves no room at all, the plan runs a lighter
+eval (LIGHT_EVAL) and gives the time it frees to more rows and steps.
 On a CPU without native bf16 it also moves the run to fp32; on a CPU with it and `eval.runtime: auto`, it first times a
 K+1-token verify in static-bf16 and static-fp32 (eval/runtime.py `verify_costs`) and moves the eval to fp32 where
 that verifies faster (both Intel Xeons measured: their bf16 forwards cost more than fp32's). It writes <run_dir>/plan.json; every later stage of
@@ -44,6 +47,7 @@ MIN_ROWS = 64
 # Where the recipe's eval leaves no room in the budget (a slow CPU): 1 MT-bench prompt per category, K as the recipe
 # sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's prompts, so it shrinks too.
 LIGHT_EVAL = {"eval.num_prompts": 8, "eval.tuning_prompts": 0, "eval.workload_prompts": 2}
+EVAL_STAGES, LEARN_STAGES = ("eval", "workloads", "served"), ("cache", "train")
 AIM = 0.95  # the plan aims 5% under the budget: the same work's time varies by a few percent on a shared machine
 
 
@@ -210,6 +214,12 @@ def lighter_eval(recipe) -> list[str]:
     return [f"{key}={min(value, getattr(recipe.eval, key.split('.')[1]))}" for key, value in LIGHT_EVAL.items()]
 
 
+def eval_over_learning(recipe, m: dict, scale: float) -> float:
+    """The eval-type stages' estimated seconds over the cache pass's and training's, at `scale`."""
+    est = estimate(recipe, m, scale)
+    return sum(est[s] for s in EVAL_STAGES) / max(1e-9, sum(est[s] for s in LEARN_STAGES))
+
+
 def sizes(recipe, scale: float, corpus_rows: int | None) -> dict:
     """The recipe's rows and steps times the scale, with as many saves as the recipe makes and a warm-up of at
     most a tenth of the steps."""
@@ -240,17 +250,27 @@ def run(recipe, args) -> dict | None:
     if runtime_ms:
         m["verify_ms"] = runtime_ms
     spent = time.time() - t0
+    budget_s = recipe.budget_minutes * 60 * AIM
+    lighter = lighter_eval(planned)
+    lightens = any(int(o.split("=")[1]) < getattr(planned.eval, o.split("=")[0].split(".")[1]) for o in lighter)
     try:
-        scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
+        scale = fit(planned, m, budget_s, spent)
     except SpecdistillError as full:  # a slow machine: a lighter eval before giving up
-        lighter = lighter_eval(planned)
-        planned = load_recipe(recipe.source, [*overrides, *lighter])
+        if not lightens:
+            raise
+        why = str(full)
+    else:
+        ratio = eval_over_learning(planned, m, scale)
+        why = (f"the recipe's eval would take {ratio:.1f}x the cache pass's and training's time (x{scale:.2f} of "
+               "the recipe's rows and steps)") if ratio > 1 and lightens else None
+    if why:
+        light = load_recipe(recipe.source, [*overrides, *lighter])
         try:
-            scale = fit(planned, m, recipe.budget_minutes * 60 * AIM, spent)
-        except SpecdistillError as light:
-            raise SpecdistillError(f"{full}; with a lighter eval ({' '.join(lighter)}) still: {light}") from None
-        print(f"plan: {full}; so the eval is lighter: {' '.join(lighter)}")
-        moves += lighter
+            scale = fit(light, m, budget_s, spent)
+        except SpecdistillError as still:
+            raise SpecdistillError(f"{why}; with a lighter eval ({' '.join(lighter)}) still: {still}") from None
+        print(f"plan: {why}; so the eval is lighter: {' '.join(lighter)}")
+        planned, moves = light, [*moves, *lighter]
     stages = {"plan": spent, **estimate(planned, m, scale)}
     plan = {"for": plan_key(recipe), "budget_minutes": recipe.budget_minutes,
             "machine": devices.cpu_isa() if device.type == "cpu" else str(device),

@@ -90,6 +90,31 @@ def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, 
         plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
 
 
+def test_an_eval_that_would_take_longer_than_the_training_is_made_lighter(tmp_path, monkeypatch):
+    """RATES in 15 minutes: the recipe's eval fits, but at x0.024 of the rows and steps it would take 1.03x the cache
+    pass's and training's time, so the plan runs LIGHT_EVAL's counts and gives the time to rows and steps; in 20
+    minutes (0.61x) the recipe's eval is kept."""
+    from argparse import Namespace
+
+    from specdistill import plan_stage
+
+    monkeypatch.setattr(plan_stage, "probe", lambda recipe, overrides: dict(RATES))
+    monkeypatch.setattr(plan_stage, "fp32_overrides", lambda recipe, device: [])
+    monkeypatch.setattr(plan_stage, "runtime_overrides", lambda recipe, device: ([], None))
+    given = [f"output_dir={tmp_path}", "served.enabled=false", "budget_minutes=15"]
+    recipe = load_recipe(DEFAULT, given)
+    full = fit(recipe, RATES, 900 * AIM, spent_s=0.0)
+    plan = plan_stage.run(recipe, Namespace(overrides=given))
+    assert plan["overrides"][:3] == ["eval.num_prompts=8", "eval.tuning_prompts=0", "eval.workload_prompts=2"]
+    assert plan["scale"] > 2 * full and plan["total_s"] <= 900
+    est = plan["estimate_s"]
+    assert est["eval"] + est["workloads"] < est["cache"] + est["train"]
+    given[-1] = "budget_minutes=20"
+    layout.plan_path(recipe.run_dir).unlink()
+    plan = plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
+    assert not any(o.startswith("eval.") for o in plan["overrides"])
+
+
 def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
     recipe = default_recipe(tmp_path)
     plan = layout.plan_path(recipe.run_dir)
