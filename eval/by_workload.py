@@ -1,7 +1,7 @@
 """The `workloads` stage: the head alone, prompt lookup alone and their hybrid (specdistill/decoding/hybrid.py), per
 workload, on the run's last checkpoint (issue 37: on prompts that carry their own material, lookup can beat the head).
 
-At T=0 and eval.k, in eval.runtime, on eval.workload_prompts prompts of each workload (and, for a kind that drafts
+At T=0, the head drafting eval.k tokens a step and prompt lookup eval.lookup_k (alone and in the hybrid), in eval.runtime, on eval.workload_prompts prompts of each workload (and, for a kind that drafts
 trees and a recipe with eval.tree, the head's tree alone and the hybrid tree: lookup's draft grafted onto the head's
 tree as one more branch, eval/tree.py):
   chat        the recipe's eval prompts (MT-bench by default; the first ones, as the eval decodes them);
@@ -51,15 +51,16 @@ def measure(recipe, sets: dict, runtime, target, tokenizer, draft) -> dict:
     kinds.LoadedDraft) is moved to the runtime's device and dtype first, before any drafter wraps it."""
     draft.module.to(device=runtime.device, dtype=runtime.dtype)
     eos, k = eos_token_ids(target, tokenizer), recipe.eval.k
+    lookup_k = recipe.eval.lookup_k or k
     hybrid = HybridDrafter(make_drafter(draft, target, static=isinstance(runtime, StaticRuntime)),
-                           PromptLookup(vocab_size_of(target)))
-    report = {"k": k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
+                           PromptLookup(vocab_size_of(target)), head_k=k)
+    report = {"k": k, "lookup_k": lookup_k, "runtime": runtime.name, "max_new_tokens": recipe.eval.max_new_tokens,
               "cpu_isa": devices.cpu_isa(), "sources": {"chat": recipe.eval.prompts, **SOURCES, "code": code_source()},
               "budget_tokens": BUDGET, "ci": CI_NOTE, "workloads": {}}
     decoders = {"plain": SpeculativeDecoder(runtime, None, eos_ids=eos),
                 "head": SpeculativeDecoder(runtime, draft, k=k, eos_ids=eos),
-                "lookup": SpeculativeDecoder(runtime, PromptLookup(vocab_size_of(target)), k=k, eos_ids=eos),
-                "hybrid": SpeculativeDecoder(runtime, hybrid, k=k, eos_ids=eos)}
+                "lookup": SpeculativeDecoder(runtime, PromptLookup(vocab_size_of(target)), k=lookup_k, eos_ids=eos),
+                "hybrid": SpeculativeDecoder(runtime, hybrid, k=max(k, lookup_k), eos_ids=eos)}
     counters = {"hybrid": hybrid}  # what counts each hybrid's lookup and head steps (its .steps, reset per decode)
     if recipe.eval.tree and draft.kind.DRAFTS_TREES:
         decoders["head_tree"] = TreeDecoder(runtime, draft, recipe.eval.tree, eos_ids=eos)

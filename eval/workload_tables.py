@@ -38,7 +38,7 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             report = read_json(path)
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row) + " |" for row in rows(report)]
-            parts.append(f"### {name} / {report['checkpoint']} (K={report['k']}{tree_text(report)}, "
+            parts.append(f"### {name} / {report['checkpoint']} ({k_text(report)}{tree_text(report)}, "
                          f"{report['runtime']}, T=0, "
                          f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']})\n\n"
                          + "\n".join(table) + "\n")
@@ -55,6 +55,12 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             + "\n".join(parts))
 
 
+def k_text(report: dict) -> str:
+    """The K the head drafts, and prompt lookup's where it differs (a result from before eval.lookup_k: the head's)."""
+    lookup_k = report.get("lookup_k", report["k"])
+    return f"K={report['k']}" + (f", lookup K={lookup_k}" if lookup_k != report["k"] else "")
+
+
 def tree_text(report: dict) -> str:
     """The trees' shape as the report's heading and the console name it ("" where no tree was measured)."""
     tree = report.get("tree")
@@ -63,7 +69,7 @@ def tree_text(report: dict) -> str:
 
 def console_lines(report: dict) -> list[str]:
     """What the workloads stage and the hybrid bench print of a report: where it was measured, then the table."""
-    return [f"checkpoint {report['checkpoint']} of {report['run_dir']}, K={report['k']}{tree_text(report)}, "
+    return [f"checkpoint {report['checkpoint']} of {report['run_dir']}, {k_text(report)}{tree_text(report)}, "
             f"{report['runtime']}, T=0, "
             f"max_new_tokens {report['max_new_tokens']}, cpu_isa {report['cpu_isa']}; {report['ci']}",
             "  ".join(HEADER), *("  ".join(row) for row in rows(report))]

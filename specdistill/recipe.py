@@ -183,6 +183,9 @@ class EvalConfig(Section):
     comparators: bool = True
     workload_prompts: int = Field(4, ge=0, description="prompts of each workload the workloads stage decodes "
                                   "(eval/by_workload.py: chat, summarise, passage_qa, code, math); 0: skip it")
+    lookup_k: int | None = Field(None, ge=1, description="tokens prompt lookup drafts a step in the workloads stage, "
+                                 "alone and in the hybrid, where the head drafts eval.k (a copied span costs no "
+                                 "draft forward, so it may run longer); null: eval.k")
     seed: int = 0
     tree: TreeConfig | None = Field(None, description="tree drafting (eval/tree.py): {kind: static, depth, top_k} "
                                     "or {kind: static, paths} or {kind: dynamic, depth, top_k, total_tokens}")

@@ -64,6 +64,30 @@ def test_greedy_identical_to_baseline(target, k):
         assert lookup_alone.decode(prompt, 24).tokens == baseline.decode(prompt, 24).tokens, (k, prompt)
 
 
+def test_lookup_drafts_past_the_heads_k_and_the_head_stays_within_it(copying):
+    """eval.lookup_k: the engine asks for 5 tokens a step, the head drafts at most head_k=2 of them and lookup up to
+    5; still token-identical to plain decoding, and on the copying target lookup's long drafts are accepted whole."""
+    baseline = SpeculativeDecoder(copying, None)
+    head = make_drafter(kinds.kind("eagle3").tiny_draft(copying), copying)
+    lengths = {"head": [], "lookup": []}
+    propose = head.propose
+
+    def counted(seq, n, new_features, k, temperature, generator):
+        tokens, q = propose(seq, n, new_features, k, temperature, generator)
+        lengths["head"].append(tokens.numel())
+        return tokens, q
+    head.propose = counted
+    hybrid = HybridDrafter(head, PromptLookup(512), head_k=2)
+    engine = SpeculativeDecoder(copying, hybrid, k=5)
+    deep = 0
+    for prompt in REPEATING:
+        got = engine.decode(prompt, 32)
+        assert got.tokens == baseline.decode(prompt, 32).tokens, prompt
+        deep += got.accepted[3]  # a 4th drafted token accepted: only lookup drafts that far
+    assert lengths["head"] and max(lengths["head"]) == 2, lengths
+    assert deep, "lookup's drafts past the head's K were never accepted"
+
+
 def test_head_after_lookup_steps_drafts_as_a_from_scratch_head(target):
     """The steps lookup drafted still reach the head: each of its drafts equals the head run without any
     cache on the target's real features of everything committed."""

@@ -17,10 +17,11 @@ from specdistill.decoding.lookup import PromptLookup
 
 
 class HybridDrafter:
-    """Lookup when the last n-gram recurs, else `head`. `steps` counts which source drafted, per decode."""
+    """Lookup when the last n-gram recurs, else `head`. `steps` counts which source drafted, per decode. The
+    engine asks for up to k tokens a step; lookup drafts that many, the head at most head_k (None: k)."""
 
-    def __init__(self, head: Drafter, lookup: PromptLookup):
-        self.head, self.lookup = head, lookup
+    def __init__(self, head: Drafter, lookup: PromptLookup, head_k: int | None = None):
+        self.head, self.lookup, self.head_k = head, lookup, head_k
         self.needs_features = head.needs_features
         self.pending: torch.Tensor | None = None  # features the head has not read yet
         self.steps = {"lookup": 0, "head": 0}
@@ -43,4 +44,5 @@ class HybridDrafter:
             return tokens, q
         self.steps["head"] += 1
         features, self.pending = self.pending, None
-        return self.head.propose(seq, n, features, k, temperature, generator)
+        head_k = k if self.head_k is None else min(k, self.head_k)
+        return self.head.propose(seq, n, features, head_k, temperature, generator)
