@@ -31,7 +31,7 @@ from specdistill import device as devices
 from specdistill import layout
 from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime import fastest_verify, static_supports, verify_costs
-from specdistill.formats import read_jsonl
+from specdistill.formats import read_json, read_jsonl
 from specdistill.plan import format_plan
 from specdistill.recipe import load_recipe, plan_key
 from specdistill.target import load_target_config
@@ -128,20 +128,21 @@ def probe(recipe, overrides: list[str]) -> dict:
     m["plain_tokens_per_s"] = min(r["baseline_tokens_per_s"] for r in result["results"])
     last = [*small, f"eval.max_new_tokens={PROBE_TOKENS[-1]}"]  # export and report read the eval the recipe names
     m["export_s"], _ = timed("export", recipe.source, last, checkpoint=None, format=None)
-    m["workloads_s"], _ = timed("workloads", recipe.source, [*last, f"eval.workload_prompts={PROBE_WORKLOAD_PROMPTS}"])
+    m["workloads_s"], out = timed("workloads", recipe.source, [*last, f"eval.workload_prompts={PROBE_WORKLOAD_PROMPTS}"])
+    m["workloads_decode_s"] = sum(w["wall_s"] - w["warmup_s"] for w in read_json(out)["workloads"].values())
     m["report_s"], _ = timed("report", recipe.source, last, runs=None)
     shutil.rmtree(probe_run, ignore_errors=True)
     return m
 
 
 def workloads_s(recipe, m: dict) -> float:
-    """The workloads stage: the probe's run (PROBE_WORKLOAD_PROMPTS prompts a workload, PROBE_TOKENS[-1] new tokens)
-    scaled by prompts and new tokens past a fixed part (the eval's: loading the target and the draft)."""
+    """The workloads stage: the probe's timed decodes (PROBE_WORKLOAD_PROMPTS prompts a workload, PROBE_TOKENS[-1]
+    new tokens) scaled by prompts and new tokens; the rest of the probe's stage (loading the target and the draft,
+    each workload's untimed warm-up) is fixed. A prompt's prefill scales with its tokens too, which errs high."""
     if recipe.eval.workload_prompts == 0:
         return 0.0
-    fixed = min(m["eval_fixed_s"], m["workloads_s"])
     scale = recipe.eval.workload_prompts / PROBE_WORKLOAD_PROMPTS * recipe.eval.max_new_tokens / PROBE_TOKENS[-1]
-    return fixed + (m["workloads_s"] - fixed) * scale
+    return m["workloads_s"] + m["workloads_decode_s"] * (scale - 1)
 
 
 def rows_to_cache(recipe, corpus_rows: int | None) -> int:

@@ -19,12 +19,12 @@ from tests.test_other_targets import TOY, write_recipe
 DEFAULT = "recipes/smollm2-135m-eagle3.yaml"
 # Rates as a probe measures them: 100 tokens a row, 100 tokens/s cached, 2 s a step of 2,000 tokens, 0.5 s a token
 # decoded over 3 probe prompts; its one save scored 8 held-out rows in 2 s and drafted the chain at 400 positions in 4 s;
-# the workloads stage took 40 s at 1 prompt a workload and 24 new tokens.
+# the workloads stage took 40 s at 1 prompt a workload and 24 new tokens, 16 s of it the timed decodes (the rest: loading, warm-ups).
 RATES = {"heldout_rows": 8, "heldout_chain_positions": 400, "heldout_offline_s": 2.0, "heldout_chain_s": 4.0,
          "prepare_s": 10.0, "cache_fixed_s": 20.0, "corpus_rows": None, "cache_tokens": 9600, "cache_rows": 96, "cache_tokens_per_s": 100.0,
          "train_fixed_s": 60.0, "train_step_s": 2.0, "train_tokens_per_step": 2000.0, "eval_fixed_s": 30.0,
          "eval_per_token_s": 0.5, "eval_prompts": 3, "plain_tokens_per_s": 10.0, "export_s": 5.0, "report_s": 5.0,
-         "workloads_s": 40.0}
+         "workloads_s": 40.0, "workloads_decode_s": 16.0}
 
 
 def default_recipe(tmp_path, *overrides):
@@ -38,8 +38,8 @@ def test_the_estimate_adds_each_stage_fixed_cost_and_rate(tmp_path):
     assert est == {"prepare": 10.0, "cache": 20.0 + 8000 * 100 / 100,
                    "train": 60.0 + 672 * 2.0 + 6 * save,
                    "eval": 30.0 + 0.5 * 64 * 24 / 3, "export": 5.0, "served": 0.0, "report": 5.0,
-                   # the eval's fixed 30 s, the rest scaled to 4 prompts a workload of 64 tokens
-                   "workloads": pytest.approx(30.0 + (40.0 - 30.0) * 4 * 64 / 24)}
+                   # the stage's 24 s outside the timed decodes, the decodes' 16 s scaled to 4 prompts of 64 tokens
+                   "workloads": pytest.approx(24.0 + 16.0 * 4 * 64 / 24)}
     assert estimate(default_recipe(tmp_path, "eval.workload_prompts=0"), RATES, 1.0)["workloads"] == 0.0
     assert estimate(default_recipe(tmp_path), RATES, 0.0)["train"] == 60.0 + 6 * save  # the saves' cost is fixed
     unscored = {**RATES, "heldout_rows": 0, "heldout_chain_positions": 0}  # a recipe without a held-out split
@@ -52,18 +52,18 @@ def test_the_fit_fills_the_budget_and_never_grows_the_recipe(tmp_path):
     recipe = default_recipe(tmp_path)
     scale = fit(recipe, RATES, 3600.0, spent_s=120.0)
     assert sum(estimate(recipe, RATES, scale).values()) + 120.0 == pytest.approx(3600.0)
-    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2438, "train.max_steps": 205, "train.save_every": 35,
+    assert sizes(recipe, scale, RATES["corpus_rows"]) == {"corpus.max_rows": 2388, "train.max_steps": 201, "train.save_every": 34,
                                     "train.warmup_steps": 20}
     # fixed: every stage at 0 rows, the eval, the workloads stage and the 6 saves' held-out scoring included
-    workloads = 30.0 + 10.0 * 4 * 64 / 24
+    workloads = 24.0 + 16.0 * 4 * 64 / 24
     assert scale == pytest.approx((3600 - 120 - 386 - workloads - 6 * (2.0 / 8 * 32 + 4.0 / 400 * 1024)) / 9344)
     assert fit(recipe, RATES, 10 ** 6, spent_s=0.0) == 1.0
-    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 11 min"):
+    with pytest.raises(SpecdistillError, match="budget_minutes=90: the stages' fixed costs alone take 12 min"):
         fit(recipe, RATES, 400.0, spent_s=0.0)
 
 
 def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, monkeypatch):
-    """A slow machine (RATES in a 10-minute budget): the recipe's 16 + 8 prompts and 4 per workload take 10.5 min
+    """A slow machine (RATES in a 10-minute budget): the recipe's 16 + 8 prompts and 4 per workload take 11.5 min
     alone, so the plan falls back to LIGHT_EVAL's counts, which every stage then applies; a budget even that cannot
     fit names each stage's fixed minutes."""
     from argparse import Namespace
@@ -75,7 +75,7 @@ def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, 
     monkeypatch.setattr(plan_stage, "runtime_overrides", lambda recipe, device: ([], None))
     given = [f"output_dir={tmp_path}", "served.enabled=false", "budget_minutes=10"]
     recipe = load_recipe(DEFAULT, given)
-    with pytest.raises(SpecdistillError, match="fixed costs alone take 11 min"):
+    with pytest.raises(SpecdistillError, match="fixed costs alone take 12 min"):
         fit(recipe, RATES, 600 * AIM, spent_s=0.0)
     plan = plan_stage.run(recipe, Namespace(overrides=given))
     assert plan["overrides"][:3] == ["eval.num_prompts=8", "eval.tuning_prompts=0", "eval.workload_prompts=2"]
@@ -86,14 +86,14 @@ def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, 
     layout.plan_path(recipe.run_dir).unlink()
     with pytest.raises(SpecdistillError, match=r"with a lighter eval \(eval.num_prompts=8 .*\) still: budget_minutes=5: "
                                                r"the stages' fixed costs alone take 7 min on this machine "
-                                               r"\(train 3, eval 2, workloads 1\)"):
+                                               r"\(train 3, eval 2, workloads 2\)"):
         plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
 
 
 def test_an_eval_that_would_take_longer_than_the_training_is_made_lighter(tmp_path, monkeypatch):
-    """RATES in 15 minutes: the recipe's eval fits, but at x0.024 of the rows and steps it would take 1.03x the cache
+    """RATES in 15 minutes: the recipe's eval fits, but at x0.018 of the rows and steps it would take 1.36x the cache
     pass's and training's time, so the plan runs LIGHT_EVAL's counts and gives the time to rows and steps; in 20
-    minutes (0.61x) the recipe's eval is kept."""
+    minutes (0.75x) the recipe's eval is kept."""
     from argparse import Namespace
 
     from specdistill import plan_stage
@@ -161,6 +161,7 @@ def test_the_probe_measures_a_tiny_run_and_sizes_the_recipe(tmp_path, tiny_targe
     m = plan["measured"]
     assert m["cache_tokens"] > 0 and m["train_step_s"] > 0 and m["eval_fixed_s"] > 0 and m["plain_tokens_per_s"] > 0
     assert m["heldout_rows"] > 0 and m["heldout_chain_positions"] > 0  # the probe's save scored its held-out split
+    assert 0 < m["workloads_decode_s"] < m["workloads_s"]  # the workloads stage's timed decodes, its warm-ups apart
     assert 0 < plan["scale"] < 1 and plan["total_s"] == pytest.approx(600.0 * AIM, abs=1.0)
     planned = load_recipe(recipe_file, [*toy, "budget_minutes=10"])
     assert planned.train.max_steps == pytest.approx(100000 * plan["scale"], abs=6) and planned.corpus.max_rows == 24  # the corpus' 24 rows: no fewer than 64
