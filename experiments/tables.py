@@ -212,6 +212,11 @@ def by_workload(results: dict) -> list[list[str]]:
     return workload_rows(results["main"])
 
 
+def lookup_k(results: dict) -> list[list[str]]:
+    """The hybrid bench's rows of each arm, the lookup K it drafted first (the head's K is the same in every arm)."""
+    return [[str(report.get("lookup_k", report["k"])), *row] for report in results.values() for row in workload_rows(report)]
+
+
 def served_cell(arm: dict) -> str:
     """The arm's served check in one cell: vLLM's tau at T=0 (ours) / the verdict; "not served" where it did not run."""
     record = next(iter(arm.get("served", {}).values()), None)
@@ -328,6 +333,7 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {"medusa-vs-eagle3": kinds_
                                                       "served-parity": served, "default-90min-avx2": planned_run,
                                                       "default-90min-avx512": planned_run,
                                                       "default-90min-xeon": planned_run, "by-workload-xeon": by_workload,
+                                                      "lookup-k-avx2": lookup_k,
                                                       "runtime-choice-xeon": runtime_choice,
                                                       "fc-norm-screen": fc_norm_screen, "data-ab": data_ab,
                                                       "draft-opd": draft_opd}
