@@ -14,8 +14,9 @@ On a CPU without native bf16 it also moves the run to fp32; on a CPU with it and
 K+1-token verify in static-bf16 and static-fp32 (eval/runtime.py `verify_costs`) and moves the eval to fp32 where
 that verifies faster (both Intel Xeons measured: their bf16 forwards cost more than fp32's). It writes <run_dir>/plan.json; every later stage of
 the run applies its overrides (recipe._with_plan), the CLI prints the time left after each stage, and the eval
-result carries the plan. The served stage is not probed (a vLLM start-up alone is minutes): its estimate is the
-per-engine start-up measured in experiments/served-parity plus the decode at twice our plain tokens/s.
+result carries the plan. The served stage is not probed (a vLLM start-up alone is minutes): its estimate is each
+engine's start-up and fixed costs (VLLM_ENGINE_PLAIN_TOKENS, in the probe's plain decoding time) plus the decode at
+twice our plain tokens/s.
 """
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ PROBE_ROWS = 96
 PROBE_STEPS = 6
 PROBE_WORKLOAD_PROMPTS = 1  # the workloads stage's probe: one prompt of each workload
 PROBE_TOKENS = (8, 24)  # two decode lengths: their difference is the eval's cost per token, the rest is fixed
-VLLM_START_S = 105.0  # one vLLM engine's start-up, median of 4 in experiments/served-parity (AVX2 EPYC, 2 cores)
-VLLM_OVER_OURS = 2.0  # vLLM's plain tokens/s over our static-fp32 plain decoding there (26.6 vs 14.0, rounded)
+# One vLLM engine's start-up and fixed costs, in the time the probe's plain decoding takes for this many tokens (a
+# slower CPU starts vLLM slower too): the four default-90min records' served stages fit 1,240 to 1,960, median 1,340;
+# their served minutes are then estimated -25% to +5% (a fixed 105 s, the served-parity median, gave -33% to +26%).
+VLLM_ENGINE_PLAIN_TOKENS = 1340
+VLLM_OVER_OURS = 2.0  # vLLM's decoding over the probe's plain tokens/s (served-parity: 26.6 vs 14.0, rounded)
 MIN_ROWS = 64
 # Where the recipe's eval leaves no room in the budget (a slow CPU): 1 MT-bench prompt per category, K as the recipe
 # sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's prompts, so it shrinks too.
@@ -173,7 +177,7 @@ def estimate(recipe, m: dict, scale: float) -> dict:
     if recipe.served.enabled:
         engines = 1 + len(recipe.export.formats or [None]) + len(recipe.served.methods)
         served_tokens = len(recipe.temperatures) * recipe.eval.num_prompts * recipe.eval.max_new_tokens
-        out["served"] = engines * (VLLM_START_S + served_tokens / (VLLM_OVER_OURS * m["plain_tokens_per_s"]))
+        out["served"] = engines * (VLLM_ENGINE_PLAIN_TOKENS + served_tokens / VLLM_OVER_OURS) / m["plain_tokens_per_s"]
     return out
 
 
