@@ -1,8 +1,9 @@
 """The `workloads` stage: the head alone, prompt lookup alone and their hybrid (specdistill/decoding/hybrid.py), per
 workload, on the run's last checkpoint (issue 37: on prompts that carry their own material, lookup can beat the head).
 
-At T=0, the head drafting eval.k tokens a step and prompt lookup eval.lookup_k (alone and in the hybrid), in eval.runtime, on eval.workload_prompts prompts of each workload (and, for a kind that drafts
-trees and a recipe with eval.tree, the head's tree alone and the hybrid tree: lookup's draft grafted onto the head's
+At T=0, the head drafting eval.k tokens a step and prompt lookup eval.lookup_k (alone and in the hybrid), in
+eval.runtime, on eval.workload_prompts prompts of each workload (and, for a kind that drafts trees and a recipe with
+eval.tree, the head's tree alone and the hybrid tree: lookup's draft grafted onto the head's
 tree as one more branch, eval/tree.py):
   chat        the recipe's eval prompts (MT-bench by default; the first ones, as the eval decodes them);
   summarise, passage_qa, code, math   the categories of eval/workloads.py (PyPI data);

@@ -48,8 +48,9 @@ PROBE_TOKENS = (8, 24)  # two decode lengths: their difference is the eval's cos
 VLLM_ENGINE_PLAIN_TOKENS = 1340
 VLLM_OVER_OURS = 2.0  # vLLM's decoding over the probe's plain tokens/s (served-parity: 26.6 vs 14.0, rounded)
 MIN_ROWS = 64
-# Where the recipe's eval leaves no room in the budget (a slow CPU): 1 MT-bench prompt per category, K as the recipe
-# sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's prompts, so it shrinks too.
+# Where the recipe's eval would take longer than the learning, or leaves no room (a slow CPU): 1 MT-bench prompt per
+# category, K as the recipe sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's
+# prompts, so it shrinks too.
 LIGHT_EVAL = {"eval.num_prompts": 8, "eval.tuning_prompts": 0, "eval.workload_prompts": 2}
 EVAL_STAGES, LEARN_STAGES = ("eval", "workloads", "served"), ("cache", "train")
 AIM = 0.95  # the plan aims 5% under the budget: the same work's time varies by a few percent on a shared machine
