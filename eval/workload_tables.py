@@ -55,10 +55,14 @@ def workload_section(run_dirs: dict[str, Path]) -> str:
             + "\n".join(parts))
 
 
+def lookup_k_of(report: dict) -> int:
+    """The K prompt lookup drafted (a result from before eval.lookup_k: the head's)."""
+    return report.get("lookup_k", report["k"])
+
+
 def k_text(report: dict) -> str:
-    """The K the head drafts, and prompt lookup's where it differs (a result from before eval.lookup_k: the head's)."""
-    lookup_k = report.get("lookup_k", report["k"])
-    return f"K={report['k']}" + (f", lookup K={lookup_k}" if lookup_k != report["k"] else "")
+    """The K the head drafts, and prompt lookup's where it differs."""
+    return f"K={report['k']}" + (f", lookup K={lookup_k_of(report)}" if lookup_k_of(report) != report["k"] else "")
 
 
 def tree_text(report: dict) -> str:

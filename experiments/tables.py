@@ -15,7 +15,7 @@ from specdistill.eval.scaling import fit_text
 from specdistill.eval.served_tables import served_rows
 from specdistill.eval.tables import BF16_PLAIN, FP32_PLAIN
 from specdistill.eval.workload_tables import ci
-from specdistill.eval.workload_tables import rows as workload_rows
+from specdistill.eval.workload_tables import lookup_k_of, rows as workload_rows
 
 
 def f2(x) -> str:
@@ -214,7 +214,7 @@ def by_workload(results: dict) -> list[list[str]]:
 
 def lookup_k(results: dict) -> list[list[str]]:
     """The hybrid bench's rows of each arm, the lookup K it drafted first (the head's K is the same in every arm)."""
-    return [[str(report.get("lookup_k", report["k"])), *row] for report in results.values() for row in workload_rows(report)]
+    return [[str(lookup_k_of(report)), *row] for report in results.values() for row in workload_rows(report)]
 
 
 def served_cell(arm: dict) -> str:

@@ -258,7 +258,7 @@ def run(recipe, args) -> dict | None:
     spent = time.time() - t0
     budget_s = recipe.budget_minutes * 60 * AIM
     lighter = lighter_eval(planned)
-    lightens = any(int(o.split("=")[1]) < getattr(planned.eval, o.split("=")[0].split(".")[1]) for o in lighter)
+    lightens = any(value < getattr(planned.eval, key.split(".")[1]) for key, value in LIGHT_EVAL.items())
     try:
         scale = fit(planned, m, budget_s, spent)
     except SpecdistillError as full:  # a slow machine: a lighter eval before giving up
