@@ -9,7 +9,8 @@ transformers' generate() tokens/s with the same weights in the same dtype. `comp
 runtime under torch.compile: its compile time is measured apart (the first compiled forward) and kept out
 of every per-token figure. `eager-fp32` (transformers' forward in float32, the runtime before
 eval/runtime.py existed) is the reference every ratio is taken against; `static-fp32 nn.Linear` is static-fp32
-without its packed weights (the baseline of specdistill/decoding/linear.py). Timers wait for the device.
+without its packed weights and `static-fp32 unfused` without its fused products (the baselines of
+specdistill/decoding/linear.py), also timed against static-fp32 forward by forward in turn (`paired`). Timers wait for the device.
 Writes checkpoints/bench/runtime.json. `make bench ARGS=runtime`.
 """
 from __future__ import annotations
@@ -30,7 +31,15 @@ from specdistill.target import load_target, load_tokenizer
 # "static-fp32 nn.Linear": the static runtime in fp32 through nn.Linear's own products (MKL's sgemm on the CPU), what
 # static-fp32 ran before its weights were packed for oneDNN (specdistill/decoding/linear.py): that change's baseline
 UNPACKED = "static-fp32 nn.Linear"
-RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", UNPACKED, "static-bf16", "compiled-bf16"]
+# "static-fp32 unfused": packed, but q, k, v and gate, up each their own call (decoding/linear.py's groups' baseline)
+UNFUSED = "static-fp32 unfused"
+BASELINES = {UNPACKED: {"pack": False}, UNFUSED: {"fuse": False}}
+RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", UNFUSED, UNPACKED, "static-bf16", "compiled-bf16"]
+# The paired comparison: static-fp32 against its baselines, one forward each in turn (order alternating), so that
+# the machine's drift over minutes (this shared CPU's 1-token forward moved 55-100 ms within an hour) cancels
+PAIRED = ["static-fp32", UNFUSED, UNPACKED]
+PAIRED_ROUNDS = 40
+PAIRED_SIZES = (1, 3)
 PREFIX = 256
 REPEATS = 15
 DECODE_TOKENS = 64
@@ -47,6 +56,35 @@ def _median_ms(fn, now, repeats: int = REPEATS) -> float:
     return 1000 * statistics.median(times)
 
 
+def _runtime(model, name: str):
+    return make_runtime(model, "static-fp32", **BASELINES[name]) if name in BASELINES else make_runtime(model, name)
+
+
+@torch.inference_mode()
+def paired(recipe, names: list[str], ids: torch.Tensor, device) -> dict:
+    """Median ms of each runtime's M-token forward after the PREFIX-token cached prefix, the runtimes taking turns
+    (one forward each, order alternating) for PAIRED_ROUNDS rounds, and the median over rounds of each one's time /
+    the first's: a ratio the machine's drift does not move."""
+    now = devices.clock(device)
+    runtimes = {name: _runtime(load_target(recipe.target, device=device), name) for name in names}
+    for runtime in runtimes.values():
+        runtime.reset(PREFIX + 16)
+        runtime.forward(ids[:PREFIX], 0, logits_to_keep=1)
+    out = {}
+    for m in PAIRED_SIZES:
+        times = {name: [] for name in names}
+        for i in range(PAIRED_ROUNDS + 1):
+            for name in (names if i % 2 else names[::-1]):
+                t0 = now()
+                runtimes[name].forward(ids[PREFIX:PREFIX + m], PREFIX)
+                times[name].append(now() - t0)
+        times = {name: t[1:] for name, t in times.items()}  # the first round warms up
+        first = times[names[0]]
+        out[str(m)] = {name: {"ms": 1000 * statistics.median(t),
+                              "ratio": statistics.median(a / b for a, b in zip(t, first))} for name, t in times.items()}
+    return out
+
+
 def _prefix_ids(prompts, device) -> torch.Tensor:
     """Real text: MT-bench prompts back to back, cut to PREFIX + 16 tokens."""
     ids = [t for p in prompts for t in p.ids]
@@ -60,7 +98,7 @@ def measure(recipe, name: str, ids: torch.Tensor, prompt: list[int], eos, device
     now = devices.clock(device)
     model = load_target(recipe.target, device=device)
     draft, _, _ = draft_for(recipe, model)
-    runtime = make_runtime(model, "static-fp32", pack=False) if name == UNPACKED else make_runtime(model, name)
+    runtime = _runtime(model, name)
     # The first compiled forwards compile (a decode step, then a verify): timed apart, before anything else.
     runtime.reset(PREFIX + 64)
     runtime.forward(ids[:PREFIX], 0, logits_to_keep=1)  # a prefill runs eagerly in every runtime
@@ -115,9 +153,9 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = Fals
     static-fp32 and `auto`'s: the others run the same measure(); the compiled one would spend minutes compiling on a
     CPU): proves the benchmark runs, measures nothing, writes no result. A CPU without native bf16 measures the fp32
     runtimes only."""
-    global PREFIX, REPEATS, DECODE_TOKENS
+    global PREFIX, REPEATS, DECODE_TOKENS, PAIRED_ROUNDS
     if toy:
-        PREFIX, REPEATS, DECODE_TOKENS = 16, 1, 4
+        PREFIX, REPEATS, DECODE_TOKENS, PAIRED_ROUNDS = 16, 1, 4, 1
     recipe = load_recipe(recipe_path, ["run_name=bench-toy"] if toy else [])
     device = devices.resolve(recipe.device)
     tokenizer = load_tokenizer(recipe.target)
@@ -139,6 +177,9 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = Fals
     for name in runtimes:
         print(f"measuring {name} ...", flush=True)
         report["runtimes"][name] = measure(recipe, name, ids, prompt, eos, device)
+    if default in PAIRED:
+        print("paired: static-fp32 and its baselines, forwards in turn ...", flush=True)
+        report["paired"] = paired(recipe, PAIRED, ids, device)
     ref = report["runtimes"]["eager-fp32"]
     default_tokens = report["runtimes"][default]["plain_tokens"]
     for r in report["runtimes"].values():
@@ -157,6 +198,8 @@ def main(recipe_path: str = "recipes/smollm2-135m-eagle3.yaml", toy: bool = Fals
               f"{r['first_forwards_s']:9.1f} {r['hf_generate_tokens_per_s']:8.1f}")
     print("T=0 exact: speculative decoding (K=4) token-identical to plain decoding in the same runtime; "
           "1st fwd s: the first decode step and verify (compile time for compiled-bf16), not in any other figure")
+    for m, row in report.get("paired", {}).items():
+        print(f"paired, M={m}: " + ", ".join(f"{name} {r['ms']:.1f} ms ({r['ratio']:.3f}x)" for name, r in row.items()))
     if toy:
         return report
     out = CHECKPOINTS / "bench" / "runtime.json"

@@ -36,7 +36,8 @@ import torch
 
 from specdistill import device as devices
 from specdistill.decoding.linear import PackedLinears, packs, plain
-from specdistill.decoding.kv import SlotCache, additive, chain_mask, crop_cache, new_cache, rms_norm, tree_mask
+from specdistill.decoding.kv import (SlotCache, additive, chain_mask, crop_cache, fused_groups, new_cache, rms_norm,
+                                     tree_mask)
 from specdistill.errors import SpecdistillError
 from specdistill.eval.runtime_names import (  # noqa: F401  (parse_runtime, resolve_runtime_name: imported from here)
     STATIC_MODEL_TYPES, parse_runtime, resolve_runtime_name, runtime_name, static_supports)
@@ -52,9 +53,9 @@ VERIFY_MARGIN = 0.95  # fp32 is chosen over the default only where its verify co
 COMPILE_MAX_TOKENS = 64
 
 
-def make_runtime(model, name: str, pack: bool = True):
+def make_runtime(model, name: str, pack: bool = True, fuse: bool = True):
     """The target `model` wrapped in runtime `name` (or `auto`), its weights cast to the runtime's dtype (in place).
-    pack=False: a static runtime keeps nn.Linear's products in fp32 too (StaticRuntime)."""
+    pack=False, fuse=False: the baselines of a static runtime's products (StaticRuntime)."""
     name = resolve_runtime_name(name, model.config)
     family, dtype = parse_runtime(name)
     model.to(DTYPES[dtype])
@@ -63,7 +64,7 @@ def make_runtime(model, name: str, pack: bool = True):
             raise SpecdistillError(f"eval.runtime {name}: the static runtime supports {sorted(STATIC_MODEL_TYPES)} "
                                    f"without sliding-window attention, not this '{model.config.model_type}'; "
                                    f"use eager-{name.split('-')[1]}")
-        return StaticRuntime(model, name, compiled=family == "compiled", pack=pack)
+        return StaticRuntime(model, name, compiled=family == "compiled", pack=pack, fuse=fuse)
     return EagerRuntime(model, name)
 
 
@@ -134,8 +135,9 @@ class StaticRuntime:
     order of every reduction in it, is the same for 1 token and for K+1 (see the module docstring).
     """
 
-    def __init__(self, model, name: str, compiled: bool = False, pack: bool = True):
-        """pack=False keeps nn.Linear's products in fp32 too: the baseline `make bench ARGS=runtime` measures."""
+    def __init__(self, model, name: str, compiled: bool = False, pack: bool = True, fuse: bool = True):
+        """pack=False keeps nn.Linear's products in fp32 too, fuse=False packs each product apart: the baselines
+        `make bench ARGS=runtime` measures."""
         self.model, self.name = model, name
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
@@ -143,7 +145,8 @@ class StaticRuntime:
         # torch.compile, whose graphs capture the modules' own products
         self.linear = plain
         if pack and not compiled and packs(self.dtype, self.device):
-            self.linear = PackedLinears([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+            self.linear = PackedLinears([m for m in model.modules() if isinstance(m, torch.nn.Linear)],
+                                        [group for layer in self.layers for group in fused_groups(layer)], fuse)
         # every product then gives a row the same result for any M >= 2 (the module docstring)
         self.two_rows = self.dtype != torch.float32 or self.linear is not plain
         self.cache = SlotCache(len(self.layers), self.layers[0].self_attn, inner.rotary_emb, self.dtype,
@@ -215,7 +218,8 @@ class StaticRuntime:
             x = x + cache.attention(i, layer.self_attn, rms_norm(x, layer.input_layernorm), slots, rope, mask)
             h = rms_norm(x, layer.post_attention_layernorm)
             mlp = layer.mlp
-            x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+            gate, up = linear.many((mlp.gate_proj, mlp.up_proj), h)
+            x = x + linear(mlp.down_proj, mlp.act_fn(gate) * up)
             if hidden and i + 1 < len(self.layers):
                 states.append(x)
         x = rms_norm(x, self.norm)

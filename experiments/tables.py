@@ -96,8 +96,16 @@ def scaling(results: dict) -> list[list[str]]:
 
 
 def runtimes(results: dict) -> list[list[str]]:
-    """One row per runtime of the runtime bench; ratios against eager-fp32 (the runtime before eval/runtime.py)."""
+    """One row per runtime of the runtime bench; ratios against eager-fp32 (the runtime before eval/runtime.py), and
+    the forwards timed in turn with static-fp32 (the bench's `paired`; recorded since its fused products)."""
     report = results["main"]
+    paired = report.get("paired", {})
+
+    def in_turn(name: str) -> str:
+        if not all(name in row for row in paired.values()):
+            return "—"
+        return " / ".join(f"{row[name]['ms']:.1f} ({row[name]['ratio']:.2f}×)" for row in paired.values())
+
     ref = report["runtimes"]["eager-fp32"]["ar_tokens_per_s"]
     rows = []
     for name, r in report["runtimes"].items():
@@ -106,7 +114,8 @@ def runtimes(results: dict) -> list[list[str]]:
         ratio = times(r["ar_tokens_per_s"] / ref)
         rows.append([label, f"{ms['1']:.1f}", f"{ms['2']:.1f}", f"{ms['5']:.1f}", f"{ms['9']:.1f}", f2(v["4"]),
                      f2(v["5"]), f2(v["9"]), f2(r["draft_step_ms"]), f"{r['d']:.3f}", f"{r['ar_tokens_per_s']:.1f}",
-                     f"**{ratio}**" if name == report["default"] else ratio, f"{r['hf_generate_tokens_per_s']:.1f}"])
+                     f"**{ratio}**" if name == report["default"] else ratio, f"{r['hf_generate_tokens_per_s']:.1f}",
+                     in_turn(name)])
     return rows
 
 

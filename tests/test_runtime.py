@@ -120,6 +120,27 @@ def test_static_fp32_is_batch_invariant():
     rows_equal_single_token_forwards(rt)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fused_products_give_the_separate_products_bits(model_type):
+    """q|k|v and gate|up packed as one weight each (decoding/linear.py): the same logits, bit for bit, as each product
+    packed apart, biases (Qwen2's q, k, v) included."""
+    chain = torch.tensor([7, 300, 11])
+    logits = {}
+    for fuse in (True, False):
+        model = target(model_type)
+        with torch.no_grad():  # transformers initialises biases to zero: make their order matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(torch.randn_like(p, generator=torch.Generator().manual_seed(len(name))))
+        rt = make_runtime(model, "static-fp32", fuse=fuse)
+        assert len(rt.linear.groups) == (2 * rt.model.config.num_hidden_layers if fuse else 0)
+        rt.reset(64)
+        with torch.no_grad():
+            rt.forward(PREFIX, 0, logits_to_keep=1)
+            logits[fuse] = rt.forward(chain, len(PREFIX))[0]
+    assert torch.equal(logits[True], logits[False])
+
+
 @pytest.mark.parametrize("name", ["static-fp32", "static-bf16"])
 def test_static_speculative_decoding_is_lossless(name):
     """EAGLE-3 chain on the static runtime: token-identical to the same runtime's plain decoding."""

@@ -47,9 +47,10 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def fused_groups(layer) -> list[tuple]:
+    """A Llama-style decoder layer's products that read the same input (packed as one: decoding/linear.py)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
 
 
 class SlotCache:
@@ -83,7 +84,9 @@ class SlotCache:
             self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
             probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=dev)
             cos, sin = self.rotary(probe, torch.arange(capacity, device=dev)[None])  # the model's own rope, scaling included
-            self.cos, self.sin = cos[0], sin[0]
+            # rotate_half(x) * sin == x.roll(half) * signed_sin, bit for bit (a sign flip is exact): one op, not four
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
             self.capacity = capacity
             if self.static_addresses:
                 for t in (*self.keys, *self.values):
@@ -104,6 +107,7 @@ class SlotCache:
             cache[:, :, start:start + len(slots)] = cache.index_select(2, idx)
 
     def rope(self, positions: torch.Tensor):
+        """(cos, signed sin) at `positions`, as `attention` takes them."""
         return self.cos[positions][None, None], self.sin[positions][None, None]
 
     def attention(self, i: int, attn, x, slots, rope, mask):
@@ -112,14 +116,14 @@ class SlotCache:
         cos, sin = rope
         shape = (1, x.shape[1], -1, self.head_dim)
         linear = self.linear
-        q = linear(attn.q_proj, x).view(shape)
-        k = linear(attn.k_proj, x).view(shape)
+        q, k, v = linear.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = linear(attn.v_proj, x).view(shape).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        half = self.head_dim // 2
+        q = q * cos + q.roll(half, -1) * sin
+        k = k * cos + k.roll(half, -1) * sin
         self.keys[i].index_copy_(2, slots, k)
         self.values[i].index_copy_(2, slots, v)
         out = self._attend(q, self.keys[i], self.values[i], mask)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specdistill.errors import SpecdistillError
-from specdistill.decoding.kv import SlotCache, chain_mask, rms_norm
+from specdistill.decoding.kv import SlotCache, chain_mask, fused_groups, rms_norm
 from specdistill.decoding.linear import PackedLinears, packs, plain
 from specdistill.decoding.sampling import probs_from_logits, sample
 from specdistill.kinds.common.heads import HeadDrafter
@@ -29,7 +29,8 @@ class StaticEagle3Head:
         weight = head.fc.weight
         self.linear = plain
         if packs(weight.dtype, weight.device):
-            self.linear = PackedLinears([m for m in head.modules() if isinstance(m, torch.nn.Linear)])
+            self.linear = PackedLinears([m for m in head.modules() if isinstance(m, torch.nn.Linear)],
+                                        fused_groups(layer))
         self.cache = SlotCache(1, layer.self_attn, head.rotary_emb, weight.dtype, linear=self.linear)
 
     def reset(self, capacity: int) -> None:
@@ -46,7 +47,8 @@ class StaticEagle3Head:
         h = state + cache.attention(0, layer.self_attn, x, slots, cache.rope(slots), chain_mask(slots, cache.capacity))
         mlp, linear = layer.mlp, self.linear
         g = rms_norm(h, layer.post_attention_layernorm)
-        return h + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, g)) * linear(mlp.up_proj, g))
+        gate, up = linear.many((mlp.gate_proj, mlp.up_proj), g)
+        return h + linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 class Eagle3Drafter(HeadDrafter):
