@@ -10,7 +10,8 @@ runtime under torch.compile: its compile time is measured apart (the first compi
 of every per-token figure. `eager-fp32` (transformers' forward in float32, the runtime before
 eval/runtime.py existed) is the reference every ratio is taken against; `static-fp32 nn.Linear` is static-fp32
 without its packed weights and `static-fp32 unfused` without its fused products (the baselines of
-specdistill/decoding/linear.py), also timed against static-fp32 forward by forward in turn (`paired`). Timers wait for the device.
+specdistill/decoding/linear.py), also timed against static-fp32 forward by forward in turn (`paired`). Timers wait
+for the device.
 Writes checkpoints/bench/runtime.json. `make bench ARGS=runtime`.
 """
 from __future__ import annotations

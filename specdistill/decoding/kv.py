@@ -138,7 +138,8 @@ class SlotCache:
         groups = self.heads // self.kv_heads
         scores = torch.matmul(q.reshape(1, self.kv_heads, groups * m, self.head_dim), k.transpose(-1, -2))
         scores = scores.view(1, self.kv_heads, groups, m, -1) * self.scaling
-        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        # scores is a fresh tensor (the product by scaling): filled in place, no copy
+        probs = scores.float().masked_fill_(~mask, float("-inf")).softmax(-1).to(q.dtype)
         return torch.matmul(probs.view(1, self.kv_heads, groups * m, -1), v).view(1, self.heads, m, self.head_dim)
 
 
