@@ -9,7 +9,7 @@ run (<run>-plan-probe), reads each stage's own rate, and scales corpus.max_rows 
 The run measures as well as learns, but measuring never gets more time than learning: where the recipe's eval
 (the eval, workloads and served stages) would take longer than the cache pass and training at the fitted sizes
 (a slow CPU: the eval's decoding does not shrink with the rows), or leaves no room at all, the plan runs a lighter
-eval (LIGHT_EVAL) and gives the time it frees to more rows and steps.
+eval (LIGHT_EVAL; and LIGHT_SAVES held-out scorings in training) and gives the time it frees to more rows and steps.
 On a CPU without native bf16 it also moves the run to fp32; on a CPU with it and `eval.runtime: auto`, it first times a
 K+1-token verify in static-bf16 and static-fp32 (eval/runtime.py `verify_costs`) and moves the eval to fp32 where
 that verifies faster (both Intel Xeons measured: their bf16 forwards cost more than fp32's). It writes <run_dir>/plan.json; every later stage of
@@ -52,6 +52,10 @@ MIN_ROWS = 64
 # category, K as the recipe sets it (no tuning prompts), 2 prompts per workload; the served stage decodes the eval's
 # prompts, so it shrinks too.
 LIGHT_EVAL = {"eval.num_prompts": 8, "eval.tuning_prompts": 0, "eval.workload_prompts": 2}
+# With it, training saves and scores its held-out split this many times at most, not the recipe's 6: a save's scoring
+# is a fixed cost (capped rows and positions; 73 s in default-90min-avx2, against ~10 s a step: 6 took 42% of its
+# training), and the eval decodes the last checkpoint only. Three still draw the held-out curve's shape.
+LIGHT_SAVES = 3
 EVAL_STAGES, LEARN_STAGES = ("eval", "workloads", "served"), ("cache", "train")
 AIM = 0.95  # the plan aims 5% under the budget: the same work's time varies by a few percent on a shared machine
 
@@ -164,7 +168,6 @@ def estimate(recipe, m: dict, scale: float) -> dict:
     """Seconds per stage at `scale` times the recipe's rows and steps (each stage's fixed cost plus its rate)."""
     rows = rows_to_cache(recipe, m["corpus_rows"]) * scale
     steps = recipe.train.max_steps * scale  # unrounded: the estimate stays linear in the scale (fit solves it)
-    saves = math.ceil(recipe.train.max_steps / recipe.train.save_every)
     tokens_per_row = m["cache_tokens"] / m["cache_rows"]
     heldout_s = heldout_scoring_s(recipe, m)
     prompts = recipe.eval.num_prompts + recipe.eval.tuning_prompts
@@ -172,7 +175,7 @@ def estimate(recipe, m: dict, scale: float) -> dict:
     decode = m["eval_per_token_s"] * recipe.eval.max_new_tokens * prompts / m["eval_prompts"]
     out = {"prepare": m["prepare_s"],
            "cache": m["cache_fixed_s"] + rows * tokens_per_row / m["cache_tokens_per_s"],
-           "train": m["train_fixed_s"] + steps * m["train_step_s"] + saves * heldout_s,
+           "train": m["train_fixed_s"] + steps * m["train_step_s"] + saves(recipe) * heldout_s,
            "eval": m["eval_fixed_s"] + checkpoints * decode,
            "workloads": workloads_s(recipe, m), "export": m["export_s"], "served": 0.0, "report": m["report_s"]}
     if recipe.served.enabled:
@@ -214,10 +217,19 @@ def fit(recipe, m: dict, budget_s: float, spent_s: float) -> float:
     return scale
 
 
+def saves(recipe) -> int:
+    """How many times training saves (and scores its held-out split): the recipe's steps over its save_every."""
+    return math.ceil(recipe.train.max_steps / recipe.train.save_every)
+
+
 def lighter_eval(recipe) -> list[str]:
     """Overrides that shrink the eval's, the workloads stage's and the served stage's fixed costs (LIGHT_EVAL's
-    counts, never more than the recipe's): what the plan falls back to where the recipe's own counts leave no room."""
-    return [f"{key}={min(value, getattr(recipe.eval, key.split('.')[1]))}" for key, value in LIGHT_EVAL.items()]
+    counts) and training's saves (LIGHT_SAVES), each only where it is below the recipe's: what the plan falls back
+    to where the recipe's own counts leave no room, or outweigh the learning. Empty: nothing would shrink."""
+    out = [f"{key}={value}" for key, value in LIGHT_EVAL.items() if value < getattr(recipe.eval, key.split(".")[1])]
+    if saves(recipe) > LIGHT_SAVES:
+        out.append(f"train.save_every={math.ceil(recipe.train.max_steps / LIGHT_SAVES)}")
+    return out
 
 
 def eval_over_learning(recipe, m: dict, scale: float) -> float:
@@ -230,10 +242,9 @@ def sizes(recipe, scale: float, corpus_rows: int | None) -> dict:
     """The recipe's rows and steps times the scale, with as many saves as the recipe makes and a warm-up of at
     most a tenth of the steps."""
     steps = max(1, round(recipe.train.max_steps * scale))
-    saves = math.ceil(recipe.train.max_steps / recipe.train.save_every)
     available = rows_to_cache(recipe, corpus_rows)
     return {"corpus.max_rows": max(min(MIN_ROWS, available), int(available * scale)), "train.max_steps": steps,
-            "train.save_every": max(1, math.ceil(steps / saves)),
+            "train.save_every": max(1, math.ceil(steps / saves(recipe))),
             "train.warmup_steps": min(recipe.train.warmup_steps, max(1, steps // 10))}
 
 
@@ -258,7 +269,7 @@ def run(recipe, args) -> dict | None:
     spent = time.time() - t0
     budget_s = recipe.budget_minutes * 60 * AIM
     lighter = lighter_eval(planned)
-    lightens = any(value < getattr(planned.eval, key.split(".")[1]) for key, value in LIGHT_EVAL.items())
+    lightens = bool(lighter)
     try:
         scale = fit(planned, m, budget_s, spent)
     except SpecdistillError as full:  # a slow machine: a lighter eval before giving up

@@ -86,8 +86,8 @@ def test_a_budget_the_full_eval_leaves_no_room_in_gets_a_lighter_eval(tmp_path, 
     given[-1] = "budget_minutes=5"
     layout.plan_path(recipe.run_dir).unlink()
     with pytest.raises(SpecdistillError, match=r"with a lighter eval \(eval.num_prompts=8 .*\) still: budget_minutes=5: "
-                                               r"the stages' fixed costs alone take 7 min on this machine "
-                                               r"\(train 3, eval 2, workloads 2\)"):
+                                               r"the stages' fixed costs alone take 6 min on this machine "
+                                               r"\(train 2, eval 2, workloads 2\)"):
         plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
 
 
@@ -114,6 +114,29 @@ def test_an_eval_that_would_take_longer_than_the_training_is_made_lighter(tmp_pa
     layout.plan_path(recipe.run_dir).unlink()
     plan = plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
     assert not any(o.startswith("eval.") for o in plan["overrides"])
+    assert plan_stage.saves(default_recipe(tmp_path, "budget_minutes=20")) == 6  # the recipe's saves, kept
+
+
+def test_the_lighter_eval_saves_three_times_and_gives_the_time_to_steps(tmp_path, monkeypatch):
+    """With the lighter eval, training scores its held-out split LIGHT_SAVES times, not the recipe's 6 (each a fixed
+    cost): the run saves 3 times and the plan fits more rows and steps than with 6 saves."""
+    from argparse import Namespace
+
+    from specdistill import plan_stage
+
+    monkeypatch.setattr(plan_stage, "probe", lambda recipe, overrides: dict(RATES))
+    monkeypatch.setattr(plan_stage, "fp32_overrides", lambda recipe, device: [])
+    monkeypatch.setattr(plan_stage, "runtime_overrides", lambda recipe, device: ([], None))
+    given = [f"output_dir={tmp_path}", "served.enabled=false", "budget_minutes=15"]
+    plan = plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
+    assert "train.save_every=224" in plan["overrides"]  # 672 steps / 3
+    planned = default_recipe(tmp_path, "budget_minutes=15")
+    assert plan_stage.saves(planned) == 3
+    layout.plan_path(planned.run_dir).unlink()
+    monkeypatch.setattr(plan_stage, "LIGHT_SAVES", 6)  # the recipe's own count: nothing saved there
+    six = plan_stage.run(load_recipe(DEFAULT, given), Namespace(overrides=given))
+    assert not any(o.startswith("train.save_every=224") for o in six["overrides"])
+    assert plan["scale"] > six["scale"] and plan["total_s"] <= 900
 
 
 def test_every_stage_applies_the_plan_and_a_changed_recipe_refuses_it(tmp_path):
