@@ -155,3 +155,16 @@ def test_a_command_that_does_not_run_the_pinned_settings_is_refused(tmp_path, mo
         (tmp_path / "runtime-bench.yaml").write_text(json.dumps({**exp.model_dump(), **change}))
         with pytest.raises(SpecdistillError, match=message):
             schema.load("runtime-bench")
+
+
+def test_replan_refits_a_recorded_plan_to_its_own_sizes():
+    """experiments/replan.py on the AVX2 default record, nothing added: the plan's fit on the record's measured rates
+    gives the sizes the run had (so a refit with an override is the estimate that change would have made there)."""
+    from experiments.replan import replan
+
+    plan = json.loads((schema.RECORDS / "default-90min-avx2.json").read_text())["results"]["main"]["plan"]
+    recorded = {k: int(v) for k, v in (o.split("=") for o in plan["overrides"]) if k in ("corpus.max_rows",
+                                                                                          "train.max_steps")}
+    got = replan("default-90min-avx2", [])
+    assert {k: got[k] for k in recorded} == recorded
+    assert replan("default-90min-avx2", ["train.save_every=224"])["train.max_steps"] > recorded["train.max_steps"]
