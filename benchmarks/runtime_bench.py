@@ -37,7 +37,7 @@ UNFUSED = "static-fp32 unfused"
 BASELINES = {UNPACKED: {"pack": False}, UNFUSED: {"fuse": False}}
 RUNTIMES = ["eager-fp32", "eager-bf16", "static-fp32", UNFUSED, UNPACKED, "static-bf16", "compiled-bf16"]
 # The paired comparison: static-fp32 against its baselines, one forward each in turn (order alternating), so that
-# the machine's drift over minutes (this shared CPU's 1-token forward moved 55-100 ms within an hour) cancels
+# the machine's drift over minutes cancels (one after the other, runtime-bench-avx2's columns disagreed on M=1)
 PAIRED = ["static-fp32", UNFUSED, UNPACKED]
 PAIRED_ROUNDS = 40
 PAIRED_SIZES = (1, 3)
