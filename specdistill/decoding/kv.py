@@ -66,6 +66,7 @@ class SlotCache:
         self.static_addresses = static_addresses
         self.device = attn.q_proj.weight.device  # the cache lives beside the layers that write it
         self.head_dim = attn.head_dim
+        self.half = attn.head_dim // 2  # rope's rotation: rotate_half(x) * sin == x.roll(half) * signed_sin
         self.heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
@@ -84,8 +85,8 @@ class SlotCache:
             self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
             probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=dev)
             cos, sin = self.rotary(probe, torch.arange(capacity, device=dev)[None])  # the model's own rope, scaling included
-            # rotate_half(x) * sin == x.roll(half) * signed_sin, bit for bit (a sign flip is exact): one op, not four
-            half = self.head_dim // 2
+            # the sin signed once, so that a rotation is one roll, not rotate_half's four ops (a sign flip is exact)
+            half = self.half
             self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
             self.capacity = capacity
             if self.static_addresses:
@@ -121,9 +122,8 @@ class SlotCache:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rope
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        half = self.head_dim // 2
-        q = q * cos + q.roll(half, -1) * sin
-        k = k * cos + k.roll(half, -1) * sin
+        q = q * cos + q.roll(self.half, -1) * sin
+        k = k * cos + k.roll(self.half, -1) * sin
         self.keys[i].index_copy_(2, slots, k)
         self.values[i].index_copy_(2, slots, v)
         out = self._attend(q, self.keys[i], self.values[i], mask)
